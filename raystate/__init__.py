@@ -1,0 +1,1 @@
+"""raystate: serving for hybrid-attention LLMs."""

@@ -1,0 +1,228 @@
+"""Frozen configuration for the model, the KV cache, the scheduler and the engine.
+
+Plain dataclasses, validated once in `__post_init__` (errors name the field and the limit), no I/O and no
+torch, so the scheduler can import them. Derived values are properties, never written back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from raystate.errors import InvalidRequest
+
+LayerType = Literal["sliding", "full"]
+
+# Byte-level vocabulary of the reference model: 256 bytes, then the specials.
+NUM_BYTES = 256
+BOS_ID = 256
+EOS_ID = 257
+PAD_ID = 258
+BYTE_VOCAB_SIZE = 259
+
+
+def _check(ok: bool, field_name: str, limit: str, got: object) -> None:
+    if not ok:
+        raise InvalidRequest(field_name, limit, got)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the reference hybrid model (`raystate.model.TinyHybrid`)."""
+
+    name: str = "tiny"
+    vocab_size: int = BYTE_VOCAB_SIZE
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    # One entry per layer: "sliding" (window attention, not prefix-cacheable) or "full".
+    layer_types: tuple[str, ...] = ("sliding", "full", "sliding", "full")
+    sliding_window: int = 32
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_model_len: int = 2048
+    # Engram n-gram memory (SPEC section 2).
+    engram_layer_ids: tuple[int, ...] = (1, 2)
+    engram_max_ngram: int = 4
+    engram_heads: int = 2
+    engram_vocab_size: int = 1000
+    engram_head_dim: int = 16
+    bos_token_id: int = BOS_ID
+    eos_token_id: int = EOS_ID
+    pad_token_id: int = PAD_ID
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.hidden_size > 0, "hidden_size", "> 0", self.hidden_size)
+        _check(self.num_heads % max(self.num_kv_heads, 1) == 0 and self.num_kv_heads > 0,
+               "num_kv_heads", f"a divisor of num_heads={self.num_heads}", self.num_kv_heads)
+        _check(len(self.layer_types) > 0, "layer_types", "non-empty", self.layer_types)
+        for t in self.layer_types:
+            _check(t in ("sliding", "full"), "layer_types", "'sliding' or 'full' per layer", t)
+        _check(self.sliding_window >= 1, "sliding_window", ">= 1", self.sliding_window)
+        _check(self.engram_max_ngram >= 2, "engram_max_ngram", ">= 2", self.engram_max_ngram)
+        for lid in self.engram_layer_ids:
+            _check(0 <= lid < len(self.layer_types), "engram_layer_ids",
+                   f"in [0, {len(self.layer_types)})", lid)
+        _check(self.max_model_len >= 2, "max_model_len", ">= 2", self.max_model_len)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def token_lookback_depth(self) -> int:
+        """D = N - 1: ids before a chunk start that the engram hash needs."""
+        return self.engram_max_ngram - 1
+
+    @property
+    def has_sliding(self) -> bool:
+        return "sliding" in self.layer_types
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in known}
+        return cls(**kw)
+
+    @classmethod
+    def named(cls, name: str) -> ModelConfig:
+        if name not in NAMED_MODELS:
+            raise InvalidRequest("model", f"one of {sorted(NAMED_MODELS)} or a model directory", name)
+        return NAMED_MODELS[name]
+
+
+NAMED_MODELS: dict[str, ModelConfig] = {
+    # CPU-fast, about 1 MB of weights.
+    "tiny": ModelConfig(),
+    # ~1.1B parameters for GPU benchmarks: 3 of every 4 layers sliding-window (W = 128).
+    "bench": ModelConfig(
+        name="bench",
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+        layer_types=tuple("full" if i % 4 == 3 else "sliding" for i in range(24)),
+        sliding_window=128,
+        max_model_len=16384,
+        engram_layer_ids=(1, 12),
+        engram_heads=4,
+        engram_vocab_size=20000,
+        engram_head_dim=64,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """A set of layers sharing one KV layout and one block table (SPEC words: a group)."""
+
+    name: str
+    layer_ids: tuple[int, ...]
+    sliding_window: int  # 0 for full attention
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    prefix_cacheable: bool
+    prefix_replay_tokens: int
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.sliding_window > 0
+
+
+def kv_cache_group_specs(
+    model: ModelConfig, block_size: int, swa_bounded_replay: bool = True
+) -> tuple[KVCacheGroupSpec, ...]:
+    """Full-attention layers form one group, sliding-window layers another (SPEC section 3).
+
+    With bounded replay on, the window group is not prefix-cacheable and declares W replay tokens; with
+    it off, it is cached like the full group ("cache everything").
+    """
+    groups = []
+    full = tuple(i for i, t in enumerate(model.layer_types) if t == "full")
+    sliding = tuple(i for i, t in enumerate(model.layer_types) if t == "sliding")
+    common = dict(block_size=block_size, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim)
+    if full:
+        groups.append(KVCacheGroupSpec("full", full, 0, prefix_cacheable=True, prefix_replay_tokens=0, **common))
+    if sliding:
+        groups.append(
+            KVCacheGroupSpec(
+                "sliding",
+                sliding,
+                model.sliding_window,
+                prefix_cacheable=not swa_bounded_replay,
+                prefix_replay_tokens=model.sliding_window if swa_bounded_replay else 0,
+                **common,
+            )
+        )
+    return tuple(groups)
+
+
+def replay_tokens(groups: tuple[KVCacheGroupSpec, ...]) -> int:
+    """P: the one nonzero `prefix_replay_tokens` of the groups (they must agree), 0 when none sets one."""
+    values = {g.prefix_replay_tokens for g in groups if g.prefix_replay_tokens}
+    if len(values) > 1:
+        raise InvalidRequest("prefix_replay_tokens", "the same for every group that sets one", sorted(values))
+    return values.pop() if values else 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # per group and shard; None: sized from max_num_seqs and max_model_len
+    enable_prefix_caching: bool = True
+    swa_bounded_replay: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two <= 128",
+               self.block_size)
+        if self.num_blocks is not None:
+            _check(self.num_blocks >= 2, "num_blocks", ">= 2 (one is the null block)", self.num_blocks)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # A prefill chunk takes at most this many tokens when > 0 (so long prompts don't starve decodes).
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)
+        _check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", ">= 0",
+               self.long_prefill_token_threshold)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    seed: int = 0
+    model_path: str | None = None  # a save_pretrained directory; None: seeded weights of `model`
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len
+
+    @property
+    def kv_groups(self) -> tuple[KVCacheGroupSpec, ...]:
+        return kv_cache_group_specs(self.model, self.cache.block_size, self.cache.swa_bounded_replay)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per group and shard (block 0 is the null block)."""
+        if self.cache.num_blocks is not None:
+            return self.cache.num_blocks
+        per_req = -(-self.max_model_len // self.cache.block_size)
+        return 1 + min(self.scheduler.max_num_seqs, 16) * per_req

@@ -1,0 +1,21 @@
+"""Exception types shared by every layer (no torch, no ray)."""
+
+from __future__ import annotations
+
+
+class InvalidRequest(ValueError):
+    """A request or config field is out of range. The message names the field, the limit and the value."""
+
+    def __init__(self, field: str, limit: str, got: object) -> None:
+        self.field = field
+        self.limit = limit
+        self.got = got
+        super().__init__(f"{field}: must be {limit}, got {got!r}")
+
+
+class ShardLost(RuntimeError):
+    """A worker shard died; its requests are re-admitted elsewhere."""
+
+
+class EngineDead(RuntimeError):
+    """The scheduler (or the in-process engine) is gone; pending calls fail with this instead of hanging."""

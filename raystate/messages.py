@@ -1,0 +1,136 @@
+"""Every type that crosses the scheduler -> worker boundary, as msgspec Structs, plus one encoder/decoder.
+
+The scheduler builds one `StepMessage` per shard and step; the worker answers with a `StepResult`.
+Token ids travel as little-endian int32 bytes. A new request goes out once in full (`NewRequest`); after
+that only what changed (`RunningDelta`). `array_like=True` keeps the encoding compact (no field names on
+the wire) and `gc=False` keeps these short-lived objects out of the cyclic GC.
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+
+import msgspec
+
+from raystate.errors import InvalidRequest
+
+_INT32 = "i"
+assert array.array(_INT32).itemsize == 4
+
+
+def ids_to_bytes(ids) -> bytes:
+    """int32 little-endian bytes of a sequence of token ids."""
+    a = array.array(_INT32, ids)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def bytes_to_ids(data: bytes) -> list[int]:
+    if len(data) % 4:
+        raise msgspec.DecodeError(f"token id bytes: length {len(data)} is not a multiple of 4")
+    a = array.array(_INT32)
+    a.frombytes(data)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tolist()
+
+
+class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """How to pick the next token. temperature 0 is greedy; top_k 0 and top_p 1 are off."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        """Raises InvalidRequest (a ValueError) naming the field and the limit."""
+        if self.max_tokens < 1:
+            raise InvalidRequest("max_tokens", ">= 1", self.max_tokens)
+        if not self.temperature >= 0.0:
+            raise InvalidRequest("temperature", ">= 0", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest("top_p", "in (0, 1]", self.top_p)
+        if self.top_k < 0:
+            raise InvalidRequest("top_k", ">= 0 (0 = off)", self.top_k)
+        for t in self.stop_token_ids:
+            if not 0 <= t < vocab_size:
+                raise InvalidRequest("stop_token_ids", f"ids in [0, {vocab_size})", t)
+
+
+class NewRequest(msgspec.Struct, array_like=True, gc=False):
+    """A request that is new to the shard (first admission, re-admission after preemption or migration).
+
+    `token_ids` is the whole history known so far (prompt + generated), so the worker can rebuild its
+    token history and lookback exactly. `block_ids[g]` lists the request's blocks in group g (0 = the null
+    block, for window blocks wholly below `replay_start`).
+    """
+
+    req_id: str
+    token_ids: bytes  # int32 LE [num_tokens]
+    num_prompt_tokens: int
+    num_computed: int
+    replay_start: int
+    block_ids: list[list[int]]
+    num_scheduled: int  # tokens computed in this step (0: admitted but not scheduled)
+    sampling: SamplingParams
+
+
+class RunningDelta(msgspec.Struct, array_like=True, gc=False):
+    """A running request scheduled this step: its new blocks per group and how many tokens it computes."""
+
+    req_id: str
+    new_block_ids: list[list[int]]  # appended to the request's block list per group
+    num_scheduled: int
+
+
+class StepMessage(msgspec.Struct, array_like=True, gc=False):
+    """One shard's step. Batch rows are new_requests (with num_scheduled > 0) then running, in order.
+
+    `finished_ids` and `preempted_ids` are released before the step runs.
+    """
+
+    step_id: int
+    new_requests: list[NewRequest] = []
+    running: list[RunningDelta] = []
+    finished_ids: list[str] = []
+    preempted_ids: list[str] = []
+
+
+class StepResult(msgspec.Struct, array_like=True, gc=False):
+    """The shard's answer: one sampled id per scheduled row, -1 where a prefill chunk ended mid-prompt."""
+
+    step_id: int
+    req_ids: list[str]
+    sampled: bytes  # int32 LE [len(req_ids)]
+    execute_ns: int = 0
+
+
+WireType = SamplingParams | NewRequest | RunningDelta | StepMessage | StepResult
+
+_encoder = msgspec.msgpack.Encoder()
+_step_decoder = msgspec.msgpack.Decoder(StepMessage)
+_result_decoder = msgspec.msgpack.Decoder(StepResult)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_step(data: bytes) -> StepMessage:
+    try:
+        return _step_decoder.decode(data)
+    except msgspec.DecodeError as e:
+        raise msgspec.DecodeError(f"StepMessage: cannot decode {len(data)} bytes: {e}") from e
+
+
+def decode_result(data: bytes) -> StepResult:
+    try:
+        return _result_decoder.decode(data)
+    except msgspec.DecodeError as e:
+        raise msgspec.DecodeError(f"StepResult: cannot decode {len(data)} bytes: {e}") from e

@@ -1,0 +1,1 @@
+"""Model state on the worker: request states, input batch, persistent lookback/replay buffers."""
