@@ -9,11 +9,21 @@ from raystate.kernels.attention import paged_attention, paged_attention_ref
 from raystate.kernels.engram_hash import engram_hash, engram_hash_ref, engram_hash_scalar
 from raystate.kernels.kv_write import write_kv, write_kv_ref
 from raystate.kernels.lookback import gather_lookback, gather_lookback_ref
-from raystate.kernels.slot_mapping import pad_replayed_slots, pad_replayed_slots_ref
+from raystate.kernels.slot_mapping import (
+    compute_slot_mappings,
+    compute_slot_mappings_ref,
+    pad_replayed_slots,
+    pad_replayed_slots_ref,
+)
+from raystate.kernels.staged_write import apply_staged_writes, apply_staged_writes_ref
 
 __all__ = [
     "PAD_SLOT_ID",
+    "apply_staged_writes",
+    "apply_staged_writes_ref",
     "cdiv",
+    "compute_slot_mappings",
+    "compute_slot_mappings_ref",
     "engram_hash",
     "engram_hash_ref",
     "engram_hash_scalar",

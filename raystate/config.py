@@ -57,16 +57,21 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check(self.hidden_size > 0, "hidden_size", "> 0", self.hidden_size)
-        _check(self.num_heads % max(self.num_kv_heads, 1) == 0 and self.num_kv_heads > 0,
-               "num_kv_heads", f"a divisor of num_heads={self.num_heads}", self.num_kv_heads)
+        _check(
+            self.num_heads % max(self.num_kv_heads, 1) == 0 and self.num_kv_heads > 0,
+            "num_kv_heads",
+            f"a divisor of num_heads={self.num_heads}",
+            self.num_kv_heads,
+        )
         _check(len(self.layer_types) > 0, "layer_types", "non-empty", self.layer_types)
         for t in self.layer_types:
             _check(t in ("sliding", "full"), "layer_types", "'sliding' or 'full' per layer", t)
         _check(self.sliding_window >= 1, "sliding_window", ">= 1", self.sliding_window)
         _check(self.engram_max_ngram >= 2, "engram_max_ngram", ">= 2", self.engram_max_ngram)
         for lid in self.engram_layer_ids:
-            _check(0 <= lid < len(self.layer_types), "engram_layer_ids",
-                   f"in [0, {len(self.layer_types)})", lid)
+            _check(
+                0 <= lid < len(self.layer_types), "engram_layer_ids", f"in [0, {len(self.layer_types)})", lid
+            )
         _check(self.max_model_len >= 2, "max_model_len", ">= 2", self.max_model_len)
 
     @property
@@ -151,7 +156,9 @@ def kv_cache_group_specs(
     sliding = tuple(i for i, t in enumerate(model.layer_types) if t == "sliding")
     common = dict(block_size=block_size, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim)
     if full:
-        groups.append(KVCacheGroupSpec("full", full, 0, prefix_cacheable=True, prefix_replay_tokens=0, **common))
+        groups.append(
+            KVCacheGroupSpec("full", full, 0, prefix_cacheable=True, prefix_replay_tokens=0, **common)
+        )
     if sliding:
         groups.append(
             KVCacheGroupSpec(
@@ -182,8 +189,12 @@ class CacheConfig:
     swa_bounded_replay: bool = True
 
     def __post_init__(self) -> None:
-        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two <= 128",
-               self.block_size)
+        _check(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            "block_size",
+            "a power of two <= 128",
+            self.block_size,
+        )
         if self.num_blocks is not None:
             _check(self.num_blocks >= 2, "num_blocks", ">= 2 (one is the null block)", self.num_blocks)
 
@@ -197,9 +208,15 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
-        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)
-        _check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", ">= 0",
-               self.long_prefill_token_threshold)
+        _check(
+            self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens
+        )
+        _check(
+            self.long_prefill_token_threshold >= 0,
+            "long_prefill_token_threshold",
+            ">= 0",
+            self.long_prefill_token_threshold,
+        )
 
 
 @dataclass(frozen=True)
@@ -208,8 +225,23 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
+    dtype: str = "auto"  # "auto": float32 on the CPU, bfloat16 on CUDA; or float32 / bfloat16 / float16
     seed: int = 0
     model_path: str | None = None  # a save_pretrained directory; None: seeded weights of `model`
+
+    def __post_init__(self) -> None:
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "dtype",
+            "one of auto, float32, bfloat16, float16",
+            self.dtype,
+        )
+        _check(
+            self.device == "cpu" or self.device.startswith("cuda"),
+            "device",
+            "'cpu' or 'cuda[:N]'",
+            self.device,
+        )
 
     @property
     def max_model_len(self) -> int:

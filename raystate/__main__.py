@@ -1,0 +1,3 @@
+from raystate.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""TinyHybrid: the reference hybrid model (sliding-window + full attention layers, engram memory).
+
+The layer pattern comes from `config.layer_types`; each layer reads and writes the KV of its group
+("sliding" or "full", the names of `raystate.config.kv_cache_group_specs`). Engram layers add their
+n-gram memory to the residual stream before their attention. The forward pass is paged and chunked: it
+sees only this step's tokens, with everything about earlier tokens in the KV caches and the lookback ids.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raystate.config import KVCacheGroupSpec, ModelConfig, kv_cache_group_specs
+from raystate.model.attention import Attention, ForwardMetadata
+from raystate.model.engram import Engram
+from raystate.model.layers import RMSNorm, SwiGLU, TokenEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.layer_type = config.layer_types[layer_id]
+        self.group_name = "sliding" if self.layer_type == "sliding" else "full"
+        window = config.sliding_window if self.layer_type == "sliding" else 0
+        self.engram = Engram(config, layer_id) if layer_id in config.engram_layer_ids else None
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.rope_theta,
+            window,
+        )
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]: the residual stream
+        input_ids: torch.Tensor,  # int [T]
+        positions: torch.Tensor,  # int64 [T]
+        lookback_token_ids: torch.Tensor,  # int32 [>= B, D]
+        attn_metadata: ForwardMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:  # [T, hidden]
+        if self.engram is not None:
+            hidden = self.engram(hidden, input_ids, attn_metadata.query_start_loc, lookback_token_ids)
+        group = attn_metadata.groups[self.group_name]
+        hidden = hidden + self.attn(self.input_norm(hidden), positions, attn_metadata, group, kv_cache)
+        return hidden + self.mlp(self.post_attn_norm(hidden))
+
+
+class TinyHybrid(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = TokenEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def token_lookback_depth(self) -> int:
+        """D: how many ids before each chunk start the caller must put in `lookback_token_ids`."""
+        return self.config.token_lookback_depth
+
+    def kv_cache_group_specs(
+        self, block_size: int, swa_bounded_replay: bool = True
+    ) -> tuple[KVCacheGroupSpec, ...]:
+        return kv_cache_group_specs(self.config, block_size, swa_bounded_replay)
+
+    def reset_hash_buffers(self) -> None:
+        """Rebuilds the engram hash constants (non-persistent buffers) on the current device."""
+        for layer in self.layers:
+            if layer.engram is not None:
+                layer.engram.reset_hash_buffers()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int [T]
+        positions: torch.Tensor,  # int64 [T]
+        lookback_token_ids: torch.Tensor,  # int32 [>= B, D]
+        attn_metadata: ForwardMetadata,
+        kv_caches: list[
+            tuple[torch.Tensor, torch.Tensor]
+        ],  # per layer, each [num_blocks, block_size, H_kv, hd]
+    ) -> torch.Tensor:  # [T, hidden], final norm applied
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(
+                f"kv_caches: one (k, v) pair per layer ({len(self.layers)}), got {len(kv_caches)}"
+            )
+        hidden = self.embed(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, input_ids, positions, lookback_token_ids, attn_metadata, kv_cache)
+        return self.final_norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> fp32 [N, vocab]
+        return self.lm_head(hidden).float()

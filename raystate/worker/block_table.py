@@ -1,0 +1,86 @@
+"""Per-group block tables on the device, indexed by state slot, and slot mappings from them.
+
+The scheduler sends block ids (full lists for new requests, appended ids for running ones); the host
+mirror takes them and only the rows that changed are copied to the device before a step. Entries a
+request no longer needs (sliding-window blocks released by the scheduler) may stay stale here: the
+attention window and the read floor never reach them and no slot mapping points into them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from raystate.kernels import PAD_SLOT_ID
+
+
+class BlockTables:
+    def __init__(
+        self,
+        num_groups: int,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_req
+        self.host = np.zeros((num_groups, max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros((num_groups, max_num_reqs), dtype=np.int64)
+        self.device_tables = torch.zeros(
+            (num_groups, max_num_reqs, max_blocks_per_req), dtype=torch.int32, device=device
+        )  # int32 [G, R, M]
+        self._dirty: set[int] = set()
+
+    def set_row(self, slot: int, block_ids: list[list[int]]) -> None:
+        for g, ids in enumerate(block_ids):
+            self._check_len(len(ids))
+            self.host[g, slot, : len(ids)] = ids
+            self.host[g, slot, len(ids) :] = 0
+            self.num_blocks[g, slot] = len(ids)
+        self._dirty.add(slot)
+
+    def append(self, slot: int, new_block_ids: list[list[int]]) -> None:
+        for g, ids in enumerate(new_block_ids):
+            if not ids:
+                continue
+            n = int(self.num_blocks[g, slot])
+            self._check_len(n + len(ids))
+            self.host[g, slot, n : n + len(ids)] = ids
+            self.num_blocks[g, slot] = n + len(ids)
+            self._dirty.add(slot)
+
+    def _check_len(self, n: int) -> None:
+        if n > self.max_blocks:
+            raise ValueError(f"block_ids: at most {self.max_blocks} blocks per request, got {n}")
+
+    def commit(self) -> None:
+        """Copies the rows that changed since the last step to the device."""
+        if not self._dirty:
+            return
+        rows = sorted(self._dirty)
+        self._dirty.clear()
+        idx = torch.tensor(rows, dtype=torch.long)
+        src = torch.from_numpy(self.host[:, rows])  # int32 [G, n, M]
+        if self.device_tables.is_cuda:
+            self.device_tables[:, idx.to(self.device_tables.device)] = src.to(self.device_tables.device)
+        else:
+            self.device_tables[:, idx] = src
+
+    def slot_mappings(
+        self,
+        token_slots: torch.Tensor,  # int64 [T]: state slot of each token
+        positions: torch.Tensor,  # int64 [T]
+        out: torch.Tensor,  # int64 [G, >= T]
+    ) -> torch.Tensor:
+        """slot = block_table[g, slot, pos // block_size] * block_size + pos % block_size, on the device."""
+        num_tokens = positions.shape[0]
+        block_idx = positions // self.block_size
+        blocks = self.device_tables[:, token_slots, block_idx].long()  # [G, T]
+        out[:, :num_tokens] = blocks * self.block_size + positions % self.block_size
+        out[:, num_tokens:] = PAD_SLOT_ID
+        return out[:, :num_tokens]
+
+    def batch_tables(self, idx_mapping: torch.Tensor) -> torch.Tensor:
+        """int32 [G, B, M]: the batch rows' block tables."""
+        return self.device_tables[:, idx_mapping]

@@ -1,0 +1,34 @@
+"""KV cache allocation: one (key, value) pair of paged tensors per layer, shaped by the layer's group."""
+
+from __future__ import annotations
+
+import torch
+
+from raystate.config import KVCacheGroupSpec
+
+
+def allocate_kv_caches(
+    groups: tuple[KVCacheGroupSpec, ...],
+    num_layers: int,
+    num_blocks: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer: k and v, each [num_blocks, block_size, H_kv, head_dim]; block 0 is the null block."""
+    caches: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+    for g in groups:
+        shape = (num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
+        for layer in g.layer_ids:
+            caches[layer] = (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+    missing = [i for i, c in enumerate(caches) if c is None]
+    if missing:
+        raise ValueError(f"kv cache groups: layers {missing} belong to no group")
+    return caches  # type: ignore[return-value]
+
+
+def kv_cache_bytes(groups: tuple[KVCacheGroupSpec, ...], num_blocks: int, dtype: torch.dtype) -> int:
+    per_block = sum(2 * len(g.layer_ids) * g.block_size * g.num_kv_heads * g.head_dim for g in groups)
+    return per_block * num_blocks * torch.empty((), dtype=dtype).element_size()

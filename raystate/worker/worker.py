@@ -1,0 +1,154 @@
+"""The worker: one model-state shard. It applies a `StepMessage` and answers with the sampled ids.
+
+Per step it (1) releases finished and preempted requests, (2) takes new requests (token history, blocks,
+replay start) and running requests' new blocks, (3) prepares the batch (input ids from the device token
+history, engram lookback, slot mappings with replayed slots padded, per-group attention metadata),
+(4) runs the model, (5) samples the rows whose chunk reached the end of their known tokens and appends
+those tokens to the history on the device. It holds no scheduling policy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from raystate.config import EngineConfig
+from raystate.messages import StepMessage, StepResult, ids_to_bytes
+from raystate.model import load_model
+from raystate.state.input_batch import InputBatch
+from raystate.state.model_state import HybridModelState
+from raystate.state.requests import RequestStates
+from raystate.worker.block_table import BlockTables
+from raystate.worker.kv_cache import allocate_kv_caches
+from raystate.worker.sampler import Sampler
+
+# (req_id, position of the first row, logits fp32 [n, V]) for every computed token; a test hook.
+LogitRecorder = Callable[[str, int, torch.Tensor], None]
+
+
+def resolve_dtype(config: EngineConfig) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if config.device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        dtype = resolve_dtype(config)
+        self.model = (
+            model
+            if model is not None
+            else load_model(
+                config.model_path or config.model.name, device=self.device, dtype=dtype, config=config.model
+            )
+        )
+        self.model.eval()
+        self.groups = config.kv_groups
+        max_reqs = config.scheduler.max_num_seqs
+        max_len = config.max_model_len
+        block_size = config.cache.block_size
+        self.kv_caches = allocate_kv_caches(
+            self.groups, self.model.config.num_layers, config.num_blocks, dtype, self.device
+        )
+        self.states = RequestStates(max_reqs, max_len, len(self.groups), self.device)
+        self.block_tables = BlockTables(
+            len(self.groups), max_reqs, -(-max_len // block_size), block_size, self.device
+        )
+        self.model_state = HybridModelState(
+            self.groups, self.model.token_lookback_depth, max_reqs, self.device
+        )
+        self.sampler = Sampler(self.device, config.seed)
+        self.logit_recorder: LogitRecorder | None = None
+
+    # -- applying the message -------------------------------------------------------------------------
+
+    def _apply(self, msg: StepMessage) -> tuple[list[str], list[int]]:
+        for req_id in (*msg.finished_ids, *msg.preempted_ids):
+            self.states.remove(req_id)
+        rows: list[str] = []
+        num_scheduled: list[int] = []
+        for req in msg.new_requests:
+            slot = self.states.add(req)
+            self.block_tables.set_row(slot, req.block_ids)
+            self.model_state.add_request(slot, req.replay_start)
+            if req.num_scheduled > 0:
+                rows.append(req.req_id)
+                num_scheduled.append(req.num_scheduled)
+        for delta in msg.running:
+            slot = self.states.slot_of.get(delta.req_id)
+            if slot is None:
+                raise KeyError(f"running: request {delta.req_id!r} is not on this worker")
+            self.block_tables.append(slot, delta.new_block_ids)
+            rows.append(delta.req_id)
+            num_scheduled.append(delta.num_scheduled)
+        return rows, num_scheduled
+
+    # -- the step -------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, msg: StepMessage) -> StepResult:
+        t0 = time.perf_counter_ns()
+        rows, num_scheduled = self._apply(msg)
+        if not rows:
+            return StepResult(step_id=msg.step_id, req_ids=[], sampled=b"", execute_ns=0)
+        states = self.states
+        self.block_tables.commit()
+        states.sync_num_computed()
+        batch = InputBatch.build(states, rows, num_scheduled)
+        lookback = self.model_state.prepare_inputs(batch, states)
+        slot_buf = torch.empty((len(self.groups), batch.num_tokens), dtype=torch.int64, device=self.device)
+        slot_mappings = self.block_tables.slot_mappings(batch.token_slots, batch.positions, slot_buf)
+        tables = self.block_tables.batch_tables(batch.idx_mapping)
+        meta = self.model_state.prepare_attn(batch, states, tables, slot_mappings)
+        hidden = self.model(batch.input_ids, batch.positions, lookback, meta, self.kv_caches)
+        if self.logit_recorder is not None:
+            self._record_logits(batch, hidden)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        sampled = self._sample(batch, logits)
+        states.num_computed[batch.idx_mapping_np] += batch.num_scheduled_np
+        return StepResult(
+            step_id=msg.step_id,
+            req_ids=rows,
+            sampled=ids_to_bytes(sampled.tolist()),
+            execute_ns=time.perf_counter_ns() - t0,
+        )
+
+    def _sample(self, batch: InputBatch, logits: torch.Tensor) -> np.ndarray:
+        """Samples every row, keeps the rows whose chunk reached the end of the history, appends them."""
+        states = self.states
+        slots = batch.idx_mapping_np
+        params = [states.sampling[s] for s in slots]
+        out_pos = (states.num_tokens[slots] - states.num_prompt_tokens[slots]).tolist()
+        sampled = self.sampler(logits, params, out_pos)  # int64 [B], on the device
+        keep = batch.should_sample_np
+        if keep.any():
+            keep_rows = np.nonzero(keep)[0]
+            kslots = slots[keep_rows]
+            kpos = states.num_tokens[kslots]
+            if np.any(kpos >= states.max_model_len):
+                raise ValueError(f"max_model_len: a request reached {states.max_model_len} tokens")
+            dev = self.device
+            states.all_token_ids[torch.from_numpy(kslots).to(dev), torch.from_numpy(kpos).to(dev)] = sampled[
+                torch.from_numpy(keep_rows).to(dev)
+            ].to(torch.int32)
+            states.num_tokens[kslots] += 1
+        host = sampled.cpu().numpy()
+        return np.where(keep, host, -1)
+
+    def _record_logits(self, batch: InputBatch, hidden: torch.Tensor) -> None:
+        all_logits = self.model.compute_logits(hidden)
+        qsl = np.concatenate([[0], np.cumsum(batch.num_scheduled_np)])
+        for b, req_id in enumerate(batch.req_ids):
+            self.logit_recorder(
+                req_id, int(batch.chunk_start_np[b]), all_logits[qsl[b] : qsl[b + 1]].float().cpu()
+            )
+
+    # -- health ---------------------------------------------------------------------------------------
+
+    def num_active(self) -> int:
+        return self.states.num_active

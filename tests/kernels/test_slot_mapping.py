@@ -1,0 +1,187 @@
+"""compute_slot_mappings and pad_replayed_slots (SPEC section 4) against their references and by hand."""
+
+import pytest
+import torch
+
+from raystate.kernels import (
+    PAD_SLOT_ID,
+    compute_slot_mappings,
+    compute_slot_mappings_ref,
+    pad_replayed_slots,
+    pad_replayed_slots_ref,
+)
+
+
+def _batch(chunks: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query_start_loc int32 [B + 1], positions int64 [T]) for rows given as (chunk start, chunk length)."""
+    lengths = [n for _, n in chunks]
+    qsl = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    positions = [torch.arange(start, start + n) for start, n in chunks]
+    return qsl, torch.cat(positions).long() if positions else torch.zeros(0, dtype=torch.int64)
+
+
+def _run_both(on_device, slot_mappings, cacheable, qsl, positions, replay_start, window):
+    """Runs the launcher on a device copy and the reference on a CPU copy of the same slot mappings."""
+    got = on_device(slot_mappings)
+    args = (cacheable, qsl, positions, replay_start)
+    pad_replayed_slots(got, *(on_device(a) for a in args), window)
+    expected = slot_mappings.clone()
+    pad_replayed_slots_ref(expected, *args, window)
+    return got.cpu(), expected
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_batches_match_reference(on_device, seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(low, high):
+        return int(torch.randint(low, high, (1,), generator=gen))
+
+    for _ in range(3):
+        num_groups, window = draw(1, 5), draw(1, 20)
+        num_rows = draw(1, 9)
+        chunks, replay_start = [], []
+        for _ in range(num_rows):
+            start, length = draw(0, 60), draw(0, 25)
+            chunks.append((start, length))
+            # A third of the rows replay; their replay start lies before, inside or after the chunk.
+            replay_start.append(draw(1, start + length + 5) if draw(0, 3) == 0 else 0)
+        qsl, positions = _batch(chunks)
+        max_tokens = int(qsl[-1]) + draw(0, 40)  # padded tail: never touched
+        slot_mappings = torch.randint(0, 10_000, (num_groups, max_tokens), generator=gen, dtype=torch.int64)
+        cacheable = torch.randperm(num_groups, generator=gen)[: draw(0, num_groups + 1)].to(torch.int32)
+        rs = torch.tensor(replay_start, dtype=torch.int32)
+        got, expected = _run_both(on_device, slot_mappings, cacheable, qsl, positions, rs, window)
+        assert torch.equal(got, expected)
+        # What may change: only cacheable groups, only replaying rows' tokens, only to PAD_SLOT_ID.
+        changed = got != slot_mappings
+        window_groups = [g for g in range(num_groups) if g not in cacheable.tolist()]
+        assert not changed[window_groups].any()
+        assert (got[changed] == PAD_SLOT_ID).all()
+        assert not changed[:, int(qsl[-1]) :].any()
+
+
+def test_straddling_replay_ranges(on_device):
+    # P = 8. Row 0: rs = 10 lies in an earlier chunk and rs + P = 18 past this chunk's last token (16).
+    # Row 1: no replay. Row 2: the chunk straddles rs + P = 28. Row 3: the chunk starts at rs itself.
+    # Row 4: the chunk lies wholly past rs + P. Row 5: an empty chunk.
+    chunks = [(14, 3), (30, 4), (25, 6), (40, 10), (70, 3), (5, 0)]
+    replay = torch.tensor([10, 0, 20, 40, 50, 3], dtype=torch.int32)
+    qsl, positions = _batch(chunks)
+    slot_mappings = torch.arange(3 * 30, dtype=torch.int64).view(3, 30)
+    cacheable = torch.tensor([2, 0], dtype=torch.int32)
+    got, expected = _run_both(on_device, slot_mappings, cacheable, qsl, positions, replay, 8)
+    assert torch.equal(got, expected)
+
+    padded = positions.clone().fill_(0).bool()
+    padded[0:3] = True  # positions 14..16, all inside [10, 18)
+    padded[7:10] = True  # positions 25..27 of row 2; 28..30 write every group
+    padded[13:21] = True  # positions 40..47 of row 3; 48, 49 write every group
+    want = slot_mappings.clone()
+    for g in (0, 2):
+        want[g, : positions.shape[0]][padded] = PAD_SLOT_ID
+    assert torch.equal(got, want)
+
+
+def test_empty_batch_and_no_cacheable_group_change_nothing(on_device):
+    slot_mappings = torch.arange(2 * 8, dtype=torch.int64).view(2, 8)
+    qsl, positions = _batch([])
+    got, _ = _run_both(
+        on_device,
+        slot_mappings,
+        torch.tensor([0], dtype=torch.int32),
+        qsl,
+        positions,
+        torch.zeros(0, dtype=torch.int32),
+        4,
+    )
+    assert torch.equal(got, slot_mappings)
+
+    qsl, positions = _batch([(3, 5)])
+    got, _ = _run_both(
+        on_device,
+        slot_mappings,
+        torch.zeros(0, dtype=torch.int32),
+        qsl,
+        positions,
+        torch.tensor([2], dtype=torch.int32),
+        4,
+    )
+    assert torch.equal(got, slot_mappings)
+
+
+def test_rows_without_replay_are_untouched(on_device):
+    # Positions inside [0, P) of a row with rs = 0 must keep their slots (0 means "no replay").
+    qsl, positions = _batch([(0, 6), (2, 4)])
+    slot_mappings = torch.arange(12, dtype=torch.int64).view(1, 12)
+    got, expected = _run_both(
+        on_device,
+        slot_mappings,
+        torch.tensor([0], dtype=torch.int32),
+        qsl,
+        positions,
+        torch.zeros(2, dtype=torch.int32),
+        16,
+    )
+    assert torch.equal(got, slot_mappings)
+    assert torch.equal(expected, slot_mappings)
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("seed", range(3))
+def test_slot_mappings_from_block_tables(on_device, seed, idx_dtype):
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(low, high):
+        return int(torch.randint(low, high, (1,), generator=gen))
+
+    for _ in range(3):
+        num_groups, num_slots, max_blocks, block_size = draw(1, 4), 6, 8, draw(1, 6)
+        block_tables = torch.randint(
+            0, 500, (num_groups, num_slots, max_blocks), generator=gen, dtype=torch.int32
+        )
+        num_rows = draw(0, num_slots + 1)
+        chunks = []
+        for _ in range(num_rows):
+            start = draw(0, max_blocks * block_size)
+            chunks.append((start, draw(0, max_blocks * block_size - start + 1)))
+        qsl, positions = _batch(chunks)
+        idx_mapping = torch.randperm(num_slots, generator=gen)[: num_rows + 1].to(idx_dtype)
+        max_tokens = int(qsl[-1]) + draw(0, 9)
+        slot_mappings = torch.randint(0, 9, (num_groups, max_tokens), generator=gen, dtype=torch.int64)
+
+        got = on_device(slot_mappings)
+        args = (block_tables, idx_mapping, qsl, positions)
+        compute_slot_mappings(*(on_device(a) for a in args), block_size, got)
+        expected = slot_mappings.clone()
+        compute_slot_mappings_ref(*args, block_size, expected)
+        assert torch.equal(got.cpu(), expected)
+        want = torch.full_like(slot_mappings, PAD_SLOT_ID)
+        for b, (start, length) in enumerate(chunks):
+            for j in range(length):
+                pos = start + j
+                table = block_tables[:, int(idx_mapping[b]), pos // block_size].long()
+                want[:, int(qsl[b]) + j] = table * block_size + pos % block_size
+        assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.gpu
+def test_no_host_sync():
+    qsl, positions = _batch([(14, 3), (30, 4), (25, 6)])
+    block_tables = torch.randint(0, 100, (2, 4, 12), dtype=torch.int32, device="cuda")
+    idx_mapping = torch.tensor([3, 0, 2], dtype=torch.int32, device="cuda")
+    cacheable = torch.tensor([1], dtype=torch.int32, device="cuda")
+    replay_start = torch.tensor([10, 0, 20], dtype=torch.int32, device="cuda")
+    qsl, positions = qsl.cuda(), positions.cuda()
+    got = torch.zeros(2, 16, dtype=torch.int64, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        compute_slot_mappings(block_tables, idx_mapping, qsl, positions, 4, got)
+        pad_replayed_slots(got, cacheable, qsl, positions, replay_start, 8)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = torch.zeros(2, 16, dtype=torch.int64)
+    cpu = [t.cpu() for t in (block_tables, idx_mapping, qsl, positions, cacheable, replay_start)]
+    compute_slot_mappings_ref(*cpu[:4], 4, expected)
+    pad_replayed_slots_ref(expected, cpu[4], cpu[2], cpu[3], cpu[5], 8)
+    assert torch.equal(got.cpu(), expected)
