@@ -111,7 +111,18 @@ class StepResult(msgspec.Struct, array_like=True, gc=False):
     execute_ns: int = 0
 
 
-WireType = SamplingParams | NewRequest | RunningDelta | StepMessage | StepResult
+class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
+    """What one step changed for one request, as the client sees it."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "length" | "stop" | "abort" once finished
+    num_cached_tokens: int  # prefix hit h used at the latest admission (0: none or dropped)
+    replay_start: int  # replay start of the latest admission (SPEC 3.3; 0 without replay)
+
+
+WireType = SamplingParams | NewRequest | RunningDelta | StepMessage | StepResult | RequestUpdate
 
 _encoder = msgspec.msgpack.Encoder()
 _step_decoder = msgspec.msgpack.Decoder(StepMessage)

@@ -1,0 +1,141 @@
+"""The asynchronous client API every front end uses (Ray Serve ingress, CLI, Python programs).
+
+`Client` is the contract: submit a request and iterate its `RequestUpdate`s as tokens arrive, abort,
+check health with a real one-token step, read status, shut down. `LocalClient` implements it over the
+in-process engine (a background thread runs the step loop); the Ray backend's `raystate.cluster`
+implements it over the scheduler actor. No torch here: the local engine is imported when started.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import itertools
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from raystate.config import EngineConfig
+from raystate.errors import EngineDead
+from raystate.messages import RequestUpdate, SamplingParams
+
+
+class Client(abc.ABC):
+    """What a front end may rely on. Updates for one request arrive in order; the last has finished=True."""
+
+    @abc.abstractmethod
+    def generate(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestUpdate]:
+        """Queues the request (raising InvalidRequest before anything is queued if it is bad) and yields
+        its updates. Closing the iterator early (a client that went away) aborts the request."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def health(self) -> bool:
+        """Runs a real one-token step through every shard; False (or an exception) when unhealthy."""
+
+    @abc.abstractmethod
+    async def status(self) -> dict[str, Any]:
+        """Shards, running and waiting requests, cache use, prefix-hit and replayed tokens, preemptions."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def config(self) -> EngineConfig: ...
+
+
+class LocalClient(Client):
+    """The in-process backend behind the async client API: one thread steps the engine."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from raystate.engine import InProcessEngine
+
+        self._config = config
+        self._engine = InProcessEngine(config)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="raystate-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopped:
+                with self._lock:
+                    busy = self._engine.has_unfinished()
+                    updates = self._engine.step() if busy else []
+                for u in updates:
+                    target = self._queues.get(u.req_id)
+                    if target is not None:
+                        loop, queue = target
+                        loop.call_soon_threadsafe(queue.put_nowait, u)
+                if not busy:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as e:  # surfaces to every waiting caller instead of a hang
+            self._error = e
+            for loop, queue in list(self._queues.values()):
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+
+    async def generate(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestUpdate]:
+        if self._error is not None or self._stopped:
+            raise EngineDead(f"engine stopped: {self._error!r}")
+        rid = request_id or f"local-{next(self._ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = (asyncio.get_running_loop(), queue)
+        try:
+            with self._lock:
+                self._engine.add_request(rid, list(prompt_token_ids), sampling)
+        except BaseException:
+            self._queues.pop(rid, None)
+            raise
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDead(f"engine failed: {item!r}") from item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                with self._lock:
+                    self._engine.abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._engine.abort(request_id)
+
+    async def health(self) -> bool:
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        async for u in self.generate([self._config.model.bos_token_id], params):
+            if u.finished:
+                return len(u.new_token_ids) == 1
+        return False
+
+    async def status(self) -> dict[str, Any]:
+        with self._lock:
+            stats = dataclasses.asdict(self._engine.scheduler.stats())
+        return {"backend": "inprocess", "num_shards": 1, **stats}
+
+    async def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, 5.0)

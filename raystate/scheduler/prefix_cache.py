@@ -1,0 +1,105 @@
+"""Chained block hashes and the hash -> block index of one prefix-cacheable (shard, group) pool.
+
+A full block's hash is `blake2b((parent hash, the block's int32 little-endian token ids))`, so equal
+hashes mean equal whole prefixes, and the value is the same in every process and on every machine (a
+scheduler actor restarted elsewhere rebuilds the same keys). A 128-bit cryptographic hash makes a forged
+collision (one user's prompt reusing another's KV) impractical. Each block is hashed once per request:
+prompt blocks at intake, output blocks as they fill.
+
+Blocks whose last holder released them stay indexed until the pool reuses them; the least recently
+released go first (the LRU lives in `BlockPool`, which calls `PrefixIndex.forget` on eviction).
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import sys
+from collections.abc import Sequence
+
+HASH_BYTES = 16
+ROOT_HASH = hashlib.blake2b(b"raystate.prefix.v1", digest_size=HASH_BYTES).digest()
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def hash_block(parent: bytes, block_token_bytes: bytes) -> bytes:
+    """The chained hash of one full block: its parent's hash, then its token ids as int32 LE bytes."""
+    return hashlib.blake2b(parent + block_token_bytes, digest_size=HASH_BYTES).digest()
+
+
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: array.array, block_size: int, num_blocks: int
+) -> None:
+    """Appends the hashes of full blocks len(hashes) .. num_blocks-1 of `token_ids` (int32 array)."""
+    start = len(hashes)
+    if num_blocks <= start:
+        return
+    if num_blocks * block_size > len(token_ids):
+        raise ValueError(
+            f"num_blocks: {num_blocks} full blocks need {num_blocks * block_size} tokens, "
+            f"got {len(token_ids)}"
+        )
+    ids = token_ids[start * block_size : num_blocks * block_size]
+    if not _LITTLE_ENDIAN:
+        ids.byteswap()
+    data = ids.tobytes()
+    step = 4 * block_size
+    parent = hashes[-1] if hashes else ROOT_HASH
+    blake2b = hashlib.blake2b
+    for off in range(0, len(data), step):
+        parent = blake2b(parent + data[off : off + step], digest_size=HASH_BYTES).digest()
+        hashes.append(parent)
+
+
+class PrefixIndex:
+    """hash -> block id for one cacheable pool. Only a block whose tokens are computed is indexed."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self.blocks
+
+    def get(self, block_hash: bytes) -> int | None:
+        return self.blocks.get(block_hash)
+
+    def insert(self, block_hash: bytes, block: int) -> bool:
+        """Indexes `block` under `block_hash` unless another block already holds it (then False)."""
+        if block_hash in self.blocks:
+            return False
+        self.blocks[block_hash] = block
+        return True
+
+    def forget(self, block_hash: bytes, block: int) -> None:
+        """Drops the entry if it still points at `block` (called when the pool evicts the block)."""
+        if self.blocks.get(block_hash) == block:
+            del self.blocks[block_hash]
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+
+def longest_hit(indices: Sequence[PrefixIndex], hashes: Sequence[bytes], max_blocks: int) -> int:
+    """Leading blocks of `hashes` (at most max_blocks) that every index holds: a hit is whole blocks
+    held by every cacheable group, so the first block missing from any group ends it."""
+    if not indices:
+        return 0
+    limit = min(max_blocks, len(hashes))
+    if len(indices) == 1:
+        blocks = indices[0].blocks
+        for n in range(limit):
+            if hashes[n] not in blocks:
+                return n
+        return limit
+    maps = [index.blocks for index in indices]
+    for n in range(limit):
+        h = hashes[n]
+        for blocks in maps:
+            if h not in blocks:
+                return n
+    return limit

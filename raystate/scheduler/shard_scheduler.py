@@ -1,0 +1,306 @@
+"""One shard's queue, running set and step policy; the multi-shard `Scheduler` routes requests to these.
+
+Step policy (`schedule`), within the shard's max_num_seqs running requests and max_num_batched_tokens:
+1. running decodes (one token: the last sampled one), in arrival order;
+2. running partial prefills, in arrival order;
+3. waiting requests, first come first served, admitted through SPEC 3 steps 1-5 (`KVManager.admit`).
+A prefill chunk takes at most long_prefill_token_threshold tokens when that is > 0. When a running
+request cannot get blocks, the latest-arrived running request is preempted by recompute (its blocks are
+freed, num_computed reset, and it goes back to the front of the queue) until it can; a step that had to
+preempt admits nothing new. Waiting requests never preempt: the queue stops at the first that does not fit.
+
+Every message a shard gets must be answered (`update`) before the shard gets the next one, so at most
+one step per shard is in flight and a request's `num_computed` only moves when its result arrives.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from operator import attrgetter
+
+from raystate.config import EngineConfig
+from raystate.messages import NewRequest, RequestUpdate, RunningDelta, StepMessage, StepResult, bytes_to_ids
+from raystate.scheduler.kv_manager import KVManager
+from raystate.scheduler.request import Request, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
+_by_arrival = attrgetter("arrival")
+
+
+class ShardScheduler:
+    def __init__(self, shard: int, config: EngineConfig) -> None:
+        self.shard = shard
+        self.kv = KVManager(config.kv_groups, config.num_blocks, config.cache.enable_prefix_caching)
+        sched = config.scheduler
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.chunk_limit = sched.long_prefill_token_threshold or sched.max_num_batched_tokens
+        self.vocab_size = config.model.vocab_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival: the tail is preempted first
+        self._finished_ids: list[str] = []  # to send with the next message
+        self._preempted_ids: list[str] = []
+        self._inflight_step = -1  # step id of the message awaiting its result, -1: none
+        self._inflight_rows: list[Request] = []  # that message's batch rows, in row order
+        self._inflight_ids: list[str] = []
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+        self.replayed_tokens = 0
+
+    @property
+    def load(self) -> int:
+        """Requests this shard holds (what the router weighs a hit against)."""
+        return len(self.running) + len(self.waiting)
+
+    def enqueue(self, req: Request, front: bool = False) -> None:
+        req.shard = self.shard
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+    # -- the step ----------------------------------------------------------------------------------------
+
+    def schedule(self, step_id: int) -> StepMessage | None:
+        """This shard's next step, or None when it has nothing to do or its last step is unanswered."""
+        if self._inflight_step >= 0:
+            return None
+        kv = self.kv
+        budget = self.max_num_batched_tokens
+        preempted = self.num_preemptions
+        rows: list[Request] = []  # running requests scheduled this step
+        prefills: list[Request] = []
+        # Preemption only removes running's tail (the latest arrivals, not yet visited, or req itself),
+        # which a list iterator tolerates: it stops at the new end.
+        for req in self.running:
+            if req.num_tokens - req.num_computed > 1:
+                prefills.append(req)
+                continue
+            if budget == 0:
+                continue
+            if req.num_computed + 1 > req.block_capacity and not kv.allocate(req, 1):
+                ok = self._preempt_for(req, 1, rows)
+                budget = self._budget_left(rows)
+                if not ok:
+                    continue
+            req.num_scheduled = 1
+            rows.append(req)
+            budget -= 1
+        for req in prefills:
+            if budget == 0:
+                break
+            if req.status is not _RUNNING:
+                continue
+            n = min(req.num_tokens - req.num_computed, budget, self.chunk_limit)
+            if not kv.allocate(req, n):
+                ok = self._preempt_for(req, n, rows)
+                budget = self._budget_left(rows)
+                if not ok:
+                    continue
+            req.num_scheduled = n
+            rows.append(req)
+            budget -= n
+        new_rows = self._admit_waiting(budget) if self.num_preemptions == preempted else []
+        if not (new_rows or rows or self._finished_ids or self._preempted_ids):
+            return None
+        new_requests = [self._new_request(req) for req in new_rows]
+        row_ids = [req.req_id for req in new_rows]
+        deltas = []
+        two_groups = len(kv.groups) == 2
+        for req in rows:  # the hot loop at high decode batch: keep it flat
+            req_id = req.req_id
+            new_block_ids = req.new_block_ids
+            if new_block_ids is None:
+                new_block_ids = [[], []] if two_groups else [[] for _ in kv.groups]
+            else:
+                req.new_block_ids = None
+            deltas.append(RunningDelta(req_id, new_block_ids, req.num_scheduled))
+            row_ids.append(req_id)
+        msg = StepMessage(
+            step_id=step_id,
+            new_requests=new_requests,
+            running=deltas,
+            finished_ids=self._finished_ids,
+            preempted_ids=self._preempted_ids,
+        )
+        self._finished_ids = []
+        self._preempted_ids = []
+        self._inflight_step = step_id
+        self._inflight_rows = new_rows + rows
+        self._inflight_ids = row_ids
+        return msg
+
+    def _budget_left(self, rows: list[Request]) -> int:
+        return self.max_num_batched_tokens - sum(req.num_scheduled for req in rows)
+
+    def _admit_waiting(self, budget: int) -> list[Request]:
+        """Admits waiting requests in FCFS order while slots, tokens and blocks last."""
+        kv = self.kv
+        waiting = self.waiting
+        admitted: list[Request] = []
+        while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = waiting[0]
+            plan = kv.admit(req)
+            n = min(req.num_tokens - req.num_computed, budget, self.chunk_limit)
+            if not kv.allocate(req, n):
+                kv.preempt(req)  # takes the admission back
+                break
+            waiting.popleft()
+            req.status = _RUNNING
+            req.num_scheduled = n
+            bisect.insort(self.running, req, key=_by_arrival)
+            admitted.append(req)
+            budget -= n
+            self.prefix_hit_tokens += plan.hit_tokens
+            if plan.replay_start:
+                self.replayed_tokens += plan.hit_tokens - plan.replay_start
+        return admitted
+
+    def _new_request(self, req: Request) -> NewRequest:
+        req.new_block_ids = None  # the full lists below include them
+        return NewRequest(
+            req_id=req.req_id,
+            token_ids=req.token_bytes(),
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_computed=req.num_computed,
+            replay_start=req.replay_start,
+            block_ids=[list(ids) for ids in req.block_ids],
+            num_scheduled=req.num_scheduled,
+            sampling=req.sampling,
+        )
+
+    def _preempt_for(self, req: Request, num_tokens: int, rows: list[Request]) -> bool:
+        """Preempts the latest-arrived running requests until req gets blocks for num_tokens more
+        tokens; False when req itself had to go."""
+        while True:
+            victim = self.running[-1]
+            self.preempt(victim, rows)
+            if victim is req:
+                return False
+            if self.kv.allocate(req, num_tokens):
+                return True
+
+    def preempt(self, req: Request, rows: list[Request] | None = None) -> None:
+        """Preemption by recompute (SPEC 3.6): frees req's blocks, resets its progress and queues it at
+        the front; the worker drops it on the next message and later receives it anew."""
+        self.running.remove(req)
+        if rows is not None and req.num_scheduled and req in rows:
+            rows.remove(req)
+        self.kv.preempt(req)
+        req.num_scheduled = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self._preempted_ids.append(req.req_id)
+        self.num_preemptions += 1
+
+    # -- results -----------------------------------------------------------------------------------------
+
+    def update(self, result: StepResult) -> tuple[list[RequestUpdate], list[Request]]:
+        """Applies the shard's answer to the message in flight: advances every row by its chunk, appends
+        sampled tokens and finishes requests. Returns the client updates and the requests that finished."""
+        if self._inflight_step < 0:
+            raise RuntimeError(f"update: shard {self.shard} has no step in flight")
+        if result.step_id != self._inflight_step:
+            raise ValueError(
+                f"step_id: shard {self.shard} awaits step {self._inflight_step}, got {result.step_id}"
+            )
+        if result.req_ids != self._inflight_ids:
+            raise ValueError(
+                f"req_ids: shard {self.shard} step {result.step_id} rows do not match the batch sent"
+            )
+        sampled = bytes_to_ids(result.sampled)
+        if len(sampled) != len(self._inflight_ids):
+            raise ValueError(f"sampled: {len(sampled)} ids for {len(self._inflight_ids)} rows")
+        rows = self._inflight_rows
+        self._inflight_step = -1
+        self._inflight_rows = []
+        self._inflight_ids = []
+        kv = self.kv
+        vocab = self.vocab_size
+        running = _RUNNING
+        updates: list[RequestUpdate] = []
+        finished: list[Request] = []
+        for req, token in zip(rows, sampled, strict=True):  # the hot loop at high decode batch
+            if req.status is not running:  # aborted while in flight
+                continue
+            computed = req.num_computed + req.num_scheduled
+            req.num_computed = computed
+            req.num_scheduled = 0
+            if computed >= req.kv_check_at:
+                kv.advance(req)
+            if computed < req.num_tokens:
+                if token != -1:
+                    raise ValueError(f"sampled: request {req.req_id!r} got a token mid-prefill ({token})")
+                continue
+            if not 0 <= token < vocab:
+                raise ValueError(f"sampled: request {req.req_id!r} got {token}, outside [0, {vocab})")
+            reason = req.append_output(token)
+            if reason is None:
+                updates.append(
+                    RequestUpdate(req.req_id, [token], False, None, req.num_cached_tokens, req.replay_start)
+                )
+            else:
+                self._finish(req, reason)
+                finished.append(req)
+                updates.append(
+                    RequestUpdate(req.req_id, [token], True, reason, req.num_cached_tokens, req.replay_start)
+                )
+        return updates, finished
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
+        req.finish_reason = reason
+        self._finished_ids.append(req.req_id)
+
+    def abort(self, req: Request) -> None:
+        """Drops req wherever it is; a running one's id goes out in the next finished_ids."""
+        if req.status is _RUNNING:
+            self.running.remove(req)
+            self.kv.free(req)
+            self._finished_ids.append(req.req_id)
+        else:
+            self.waiting.remove(req)
+        req.num_scheduled = 0
+        req.status = RequestStatus.FINISHED_ABORTED
+        req.finish_reason = "abort"
+
+    def reset(self) -> list[Request]:
+        """The shard's worker lost its state: forgets every block and cached prefix, takes back the step in
+        flight, and re-queues all of the shard's requests in arrival order, to be sent anew in full."""
+        reqs = sorted([*self.running, *self.waiting], key=_by_arrival)
+        self.kv.reset(reqs)
+        for req in reqs:
+            req.num_scheduled = 0
+            if req.status is _RUNNING:
+                req.status = RequestStatus.PREEMPTED
+        self.running = []
+        self.waiting = deque(reqs)
+        self._finished_ids = []
+        self._preempted_ids = []
+        self._inflight_step = -1
+        self._inflight_rows = []
+        self._inflight_ids = []
+        return reqs
+
+    # -- checks ------------------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Every pool's invariant, and every block's reference count equals the running requests holding
+        it (so nothing leaks and nothing is freed twice)."""
+        idle = not self.running
+        self.kv.check_integrity(idle=idle)
+        for g, pool in enumerate(self.kv.pools):
+            held = [0] * pool.num_blocks
+            for req in self.running:
+                for b in req.block_ids[g]:
+                    if b:
+                        held[b] += 1
+            for b in range(1, pool.num_blocks):
+                assert held[b] == pool.ref_cnt[b], (
+                    f"shard {self.shard} group {g} block {b}: {held[b]} holders, ref count {pool.ref_cnt[b]}"
+                )
+        for req in self.waiting:
+            assert not req.block_ids, f"waiting request {req.req_id!r} holds blocks"

@@ -1,0 +1,247 @@
+"""Test helpers for the scheduler: small configs, a fake worker that checks block usage, a step driver.
+
+`FakeWorker` plays a worker shard at the level of block tables: it keeps each request's token history
+and per-group block table from the messages, writes a "KV" entry per computed token into a simulated
+paged cache (skipping, as the real worker does, prefix-cacheable slots in [replay_start, replay_start +
+P) of a replayed prefill), and before answering checks that every key the step's attention would read
+holds the KV of exactly that prefix. A block handed out twice, freed too early, or a hit pointing at
+the wrong blocks shows up as a wrong read. Its tokens are a deterministic function of the history (or a
+script per request), so a run can be compared with `reference_output`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from raystate.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, replay_tokens
+from raystate.messages import (
+    SamplingParams,
+    StepMessage,
+    StepResult,
+    bytes_to_ids,
+    decode_result,
+    decode_step,
+    encode,
+    ids_to_bytes,
+)
+from raystate.scheduler import RequestUpdate, Scheduler
+
+
+def make_config(
+    *,
+    block_size: int = 4,
+    window: int = 8,
+    num_blocks: int = 128,
+    caching: bool = True,
+    bounded_replay: bool = True,
+    max_num_seqs: int = 8,
+    max_batched: int = 512,
+    threshold: int = 0,
+    max_model_len: int = 256,
+    layer_types: tuple[str, ...] = ("sliding", "full", "sliding", "full"),
+) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(
+            layer_types=layer_types,
+            sliding_window=window,
+            max_model_len=max_model_len,
+            engram_layer_ids=tuple(i for i in (1, 2) if i < len(layer_types)),
+        ),
+        cache=CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=caching,
+            swa_bounded_replay=bounded_replay,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            long_prefill_token_threshold=threshold,
+        ),
+    )
+
+
+def group_index(config: EngineConfig, name: str) -> int:
+    return [g.name for g in config.kv_groups].index(name)
+
+
+def next_token(history: list[int]) -> int:
+    """The fake model: a byte (never EOS) fixed by the history's last token and length."""
+    return (history[-1] * 31 + len(history) * 17 + 3) % 256
+
+
+def reference_output(
+    prompt: list[int], sampling: SamplingParams, eos: int, script: list[int] = ()
+) -> list[int]:
+    """What a request must produce, from the finishing rules alone (no scheduler)."""
+    history = list(prompt)
+    out: list[int] = []
+    while True:
+        tok = script[len(out)] if len(out) < len(script) else next_token(history)
+        history.append(tok)
+        out.append(tok)
+        if (tok == eos and not sampling.ignore_eos) or tok in sampling.stop_token_ids:
+            return out
+        if len(out) >= sampling.max_tokens:
+            return out
+
+
+@dataclass
+class _FakeState:
+    tokens: list[int]
+    num_prompt: int
+    num_computed: int
+    prefill_len: int
+    replay_start: int
+    tables: list[list[int]]
+    keys: list[int] = field(default_factory=list)
+
+    def key(self, pos: int) -> int:
+        """Identity of the prefix tokens[: pos + 1] (what the KV at pos depends on)."""
+        while len(self.keys) <= pos:
+            p = len(self.keys)
+            self.keys.append(hash((self.keys[p - 1] if p else 0, self.tokens[p])))
+        return self.keys[pos]
+
+
+class FakeWorker:
+    def __init__(self, config: EngineConfig, scripts: dict[str, list[int]] | None = None) -> None:
+        groups = config.kv_groups
+        self.block_size = config.cache.block_size
+        self.windows = [g.sliding_window for g in groups]
+        self.cacheable = [g.prefix_cacheable for g in groups]
+        self.replay_tokens = replay_tokens(groups)
+        self.kv: list[dict[int, int]] = [{} for _ in groups]  # group -> slot -> prefix key
+        self.reqs: dict[str, _FakeState] = {}
+        self.scripts = scripts or {}
+        self.log: list[tuple[str, int, int, int]] = []  # (req_id, chunk start, num_scheduled, row rs)
+
+    def execute(self, msg: StepMessage) -> StepResult:
+        for req_id in (*msg.finished_ids, *msg.preempted_ids):
+            self.reqs.pop(req_id, None)
+        rows: list[tuple[str, int]] = []
+        for new in msg.new_requests:
+            assert new.req_id not in self.reqs, f"{new.req_id} sent twice"
+            tokens = bytes_to_ids(new.token_ids)
+            tables = [list(ids) for ids in new.block_ids]
+            self.reqs[new.req_id] = _FakeState(
+                tokens, new.num_prompt_tokens, new.num_computed, len(tokens), new.replay_start, tables
+            )
+            if new.num_scheduled:
+                rows.append((new.req_id, new.num_scheduled))
+        for delta in msg.running:
+            state = self.reqs[delta.req_id]
+            for g, ids in enumerate(delta.new_block_ids):
+                state.tables[g].extend(ids)
+            rows.append((delta.req_id, delta.num_scheduled))
+        sampled = []
+        for req_id, n in rows:
+            state = self.reqs[req_id]
+            start, end = state.num_computed, state.num_computed + n
+            assert n > 0 and end <= len(state.tokens), f"{req_id}: chunk [{start}, {end}) past its tokens"
+            rs = state.replay_start if start < state.prefill_len else 0
+            self.log.append((req_id, start, n, rs))
+            self._write(req_id, state, start, end, rs)
+            self._check_reads(req_id, state, start, end, rs)
+            state.num_computed = end
+            if end == len(state.tokens):
+                script = self.scripts.get(req_id, ())
+                out_idx = len(state.tokens) - state.num_prompt
+                tok = script[out_idx] if out_idx < len(script) else next_token(state.tokens)
+                state.tokens.append(tok)
+                sampled.append(tok)
+            else:
+                sampled.append(-1)
+        return StepResult(step_id=msg.step_id, req_ids=[r for r, _ in rows], sampled=ids_to_bytes(sampled))
+
+    def poison_free_blocks(self, sched: Scheduler, shard: int) -> None:
+        """Wipes the KV of every block the scheduler holds free, so reading one fails the read check."""
+        bs = self.block_size
+        for g, pool in enumerate(sched.shards[shard].kv.pools):
+            kv = self.kv[g]
+            for block in pool.free_block_ids():
+                for slot in range(block * bs, (block + 1) * bs):
+                    kv.pop(slot, None)
+
+    def _slot(self, req_id: str, state: _FakeState, g: int, pos: int) -> int:
+        table = state.tables[g]
+        j = pos // self.block_size
+        assert j < len(table), f"{req_id}: group {g} has no block for position {pos}"
+        assert table[j] != 0, f"{req_id}: group {g} position {pos} maps to the null block"
+        return table[j] * self.block_size + pos % self.block_size
+
+    def _write(self, req_id: str, state: _FakeState, start: int, end: int, rs: int) -> None:
+        for g in range(len(self.kv)):
+            for pos in range(start, end):
+                if self.cacheable[g] and rs > 0 and rs <= pos < rs + self.replay_tokens:
+                    continue  # slot padding: the cached KV stays as it is
+                self.kv[g][self._slot(req_id, state, g, pos)] = state.key(pos)
+
+    def _check_reads(self, req_id: str, state: _FakeState, start: int, end: int, rs: int) -> None:
+        for g, window in enumerate(self.windows):
+            lo = max(rs, start - window + 1, 0) if window else 0
+            for pos in range(lo, end):
+                got = self.kv[g].get(self._slot(req_id, state, g, pos))
+                assert got == state.key(pos), f"{req_id}: group {g} position {pos} reads another prefix's KV"
+
+
+@dataclass
+class RunLog:
+    outputs: dict[str, list[int]]
+    finals: dict[str, RequestUpdate]
+    messages: list[dict[int, StepMessage]]
+    updates: list[RequestUpdate]
+
+
+def step(sched: Scheduler, workers: list[FakeWorker], log: RunLog | None = None) -> dict[int, StepMessage]:
+    """One schedule -> execute -> update round; every message and result goes through msgspec."""
+    msgs = sched.schedule()
+    for shard, msg in msgs.items():
+        wire = decode_step(encode(msg))
+        assert wire == msg, "StepMessage does not survive a msgspec round trip"
+        result = decode_result(encode(workers[shard].execute(wire)))
+        updates = sched.update(shard, result)
+        workers[shard].poison_free_blocks(sched, shard)
+        for upd in updates:
+            if log is not None:
+                log.outputs[upd.req_id].extend(upd.new_token_ids)
+                log.updates.append(upd)
+                if upd.finished:
+                    log.finals[upd.req_id] = upd
+    if log is not None:
+        log.messages.append(msgs)
+    return msgs
+
+
+def new_log() -> RunLog:
+    return RunLog(defaultdict(list), {}, [], [])
+
+
+def blocks_sent(log: RunLog, req_id: str, shard: int = 0) -> list[list[int]]:
+    """The block table a worker holds for req_id after the logged messages (from its last NewRequest)."""
+    tables: list[list[int]] = []
+    for msgs in log.messages:
+        msg = msgs.get(shard)
+        if msg is None:
+            continue
+        for new in msg.new_requests:
+            if new.req_id == req_id:
+                tables = [list(ids) for ids in new.block_ids]
+        for delta in msg.running:
+            if delta.req_id == req_id:
+                for g, ids in enumerate(delta.new_block_ids):
+                    tables[g] += ids
+    return tables
+
+
+def run(
+    sched: Scheduler, workers: list[FakeWorker], log: RunLog | None = None, max_steps: int = 2000
+) -> RunLog:
+    """Steps until every request finished; fails on a step with nothing to do (a stall)."""
+    log = log if log is not None else new_log()
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return log
+        assert step(sched, workers, log), "unfinished requests but no shard has anything to do"
+    raise AssertionError(f"not finished after {max_steps} steps")
