@@ -1,0 +1,296 @@
+"""Paged attention: the Triton kernel against paged_attention_ref.
+
+The `device` fixture (tests/kernels/conftest.py) asserts the Triton path runs: compiled on CUDA, else
+through Triton's CPU interpreter, so sizes stay small. Every cache slot a row may not read (below its
+floor, outside its queries' windows, past its length, and every spare block) holds NaN, so a stray read
+shows up as a non-finite output; block table entries for blocks no query can see hold out-of-range ids.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from raystate.kernels import cdiv, paged_attention, paged_attention_ref
+
+FP32_TOL = 1e-5
+HALF_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+class PagedBatch:
+    """A batch over a paged, NaN-poisoned cache with shuffled, non-contiguous block ids."""
+
+    def __init__(
+        self,
+        device: str,
+        gen: torch.Generator,
+        q_lens: list[int],
+        seq_lens: list[int],
+        *,
+        num_q_heads: int = 4,
+        num_kv_heads: int = 2,
+        head_dim: int = 32,
+        block_size: int = 16,
+        window: int = 0,
+        floors: list[int] | None = None,
+        dtype: torch.dtype = torch.float32,
+        padded_tokens: int = 0,
+    ):
+        assert len(q_lens) == len(seq_lens) and all(q <= s for q, s in zip(q_lens, seq_lens, strict=True))
+        num_rows = len(seq_lens)
+        self.window = window
+        self.scale = head_dim**-0.5
+        blocks_per_row = [cdiv(s, block_size) for s in seq_lens]
+        max_blocks = max(blocks_per_row, default=0) + 2  # trailing columns stay garbage
+        num_blocks = sum(blocks_per_row) + 3  # spare blocks stay NaN
+        block_ids = torch.randperm(num_blocks, generator=gen).tolist()
+        garbage = num_blocks + 10_000  # out of range: reading it would fault or return junk
+        block_table = torch.full((max(num_rows, 0), max_blocks), garbage, dtype=torch.int32)
+        kv_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        k_cache = torch.full(kv_shape, math.nan)
+        v_cache = torch.full(kv_shape, math.nan)
+        for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+            lo = self.row_lo(q_len, seq_len, floors[b] if floors is not None else 0)
+            for j in range(lo // block_size, blocks_per_row[b]):
+                block_table[b, j] = block_ids.pop()
+            for pos in range(lo, seq_len):
+                block, offset = block_table[b, pos // block_size], pos % block_size
+                k_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
+                v_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
+        num_tokens = sum(q_lens) + padded_tokens
+        self.query = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen).to(device, dtype)
+        self.k_cache = k_cache.to(device, dtype)
+        self.v_cache = v_cache.to(device, dtype)
+        self.block_table = block_table.to(device)
+        starts = [0]
+        for q_len in q_lens:
+            starts.append(starts[-1] + q_len)
+        self.query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        self.kv_floor = None if floors is None else torch.tensor(floors, dtype=torch.int32, device=device)
+        self.num_real_tokens = starts[-1]
+
+    def row_lo(self, q_len: int, seq_len: int, floor: int) -> int:
+        """Lowest key position any query of the row reads."""
+        lo = floor
+        if self.window:
+            lo = max(lo, seq_len - q_len - self.window + 1)
+        return max(lo, 0)
+
+    def args(self) -> tuple:
+        return (
+            self.query,
+            self.k_cache,
+            self.v_cache,
+            self.block_table,
+            self.query_start_loc,
+            self.seq_lens,
+            self.scale,
+            self.window,
+            self.kv_floor,
+        )
+
+    def run(self, **kwargs) -> torch.Tensor:
+        return paged_attention(*self.args(), **kwargs)
+
+    def reference(self) -> torch.Tensor:
+        return paged_attention_ref(*self.args())
+
+
+def assert_matches_reference(batch: PagedBatch, tol: float = FP32_TOL, **kwargs) -> torch.Tensor:
+    out = batch.run(**kwargs)
+    ref = batch.reference()
+    n = batch.num_real_tokens
+    assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
+    assert torch.isfinite(ref[:n].float()).all(), "test set-up leaked poison into the reference"
+    assert torch.isfinite(out[:n].float()).all(), "kernel read a poisoned (unreadable) cache slot"
+    err = (out[:n].float() - ref[:n].float()).norm() / ref[:n].float().norm().clamp(min=1e-30)
+    assert err <= tol, f"relative error {err:.3g} > {tol}"
+    return out
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_mixed_batches(seed, device):
+    rng = random.Random(seed)
+    num_kv_heads = rng.choice([1, 2])
+    block_size = rng.choice([16, 32, 64])
+    rows = rng.randint(1, 6)
+    seq_lens = [rng.randint(1, 90) for _ in range(rows)]
+    # Each row is a decode, a whole prompt or a chunk ending at its length.
+    q_lens = [rng.choice([1, s, rng.randint(1, s)]) for s in seq_lens]
+    floors = [rng.randint(0, s - q) for s, q in zip(seq_lens, q_lens, strict=True)]
+    batch = PagedBatch(
+        device,
+        gen(seed),
+        q_lens,
+        seq_lens,
+        num_q_heads=num_kv_heads * rng.choice([1, 2, 4]),
+        num_kv_heads=num_kv_heads,
+        head_dim=rng.choice([16, 32, 64]),
+        block_size=block_size,
+        window=rng.choice([0, 1, rng.randint(2, 40), 1000]),
+        floors=rng.choice([None, floors]),
+    )
+    assert_matches_reference(batch)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("window", [0, 5])
+def test_gqa_ratios(group, window, device):
+    batch = PagedBatch(
+        device,
+        gen(group),
+        [1, 20, 7],
+        [33, 20, 50],
+        num_q_heads=2 * group,
+        num_kv_heads=2,
+        window=window,
+    )
+    assert_matches_reference(batch)
+
+
+@pytest.mark.parametrize("max_query_len", [None, 1])
+def test_pure_decode(max_query_len, device):
+    batch = PagedBatch(device, gen(1), [1] * 5, [1, 17, 40, 64, 65], num_q_heads=8, num_kv_heads=2)
+    assert_matches_reference(batch, max_query_len=max_query_len)
+
+
+def test_many_rows(device):
+    """Enough rows that each program's binary search for its row takes several steps."""
+    rng = random.Random(0)
+    seq_lens = [rng.randint(1, 40) for _ in range(37)]
+    q_lens = [rng.choice([0, 1, 1, s]) for s in seq_lens]
+    batch = PagedBatch(
+        device, gen(0), q_lens, seq_lens, num_q_heads=2, num_kv_heads=1, head_dim=16, window=11
+    )
+    assert_matches_reference(batch)
+    assert_matches_reference(batch, max_query_len=max(q_lens))
+
+
+def test_pure_prefill_spanning_several_query_tiles(device):
+    # 70 tokens x 4 heads per kv head exceed one 64-row tile several times over.
+    batch = PagedBatch(device, gen(2), [70, 3, 16], [70, 3, 16], num_q_heads=8, num_kv_heads=2)
+    assert_matches_reference(batch)
+
+
+def test_chunk_in_the_middle_of_a_sequence(device):
+    # Rows resume at positions 30 and 47: earlier KV is cached, later positions do not exist yet.
+    batch = PagedBatch(device, gen(3), [12, 9], [42, 56], block_size=16)
+    assert_matches_reference(batch)
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 17, 200])
+def test_sliding_window(window, device):
+    batch = PagedBatch(device, gen(4), [1, 25, 40], [60, 25, 80], window=window, block_size=16)
+    assert_matches_reference(batch)
+
+
+def test_window_one_attends_only_to_itself(device):
+    batch = PagedBatch(device, gen(5), [6, 1], [30, 9], window=1, num_q_heads=2, num_kv_heads=2)
+    out = assert_matches_reference(batch)
+    # With W = 1 each query reads one key, so its output is exactly that key's value.
+    v_first = batch.v_cache[batch.block_table[1, 0].long(), 8]  # row 1, position 8
+    torch.testing.assert_close(out[6], v_first, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_kv_floor(window, device):
+    # Floors 0, inside a block, on a block edge, and at the chunk start; everything below them is NaN.
+    batch = PagedBatch(
+        device, gen(6), [4, 10, 1, 5], [40, 30, 70, 21], floors=[0, 13, 32, 16], window=window, block_size=16
+    )
+    assert_matches_reference(batch)
+
+
+def test_floor_changes_the_result(device):
+    """The floor is honoured, not merely harmless: raising it over finite KV changes the output."""
+    batch = PagedBatch(device, gen(7), [3], [40], floors=[0])
+    full = batch.run().clone()
+    batch.kv_floor = torch.tensor([20], dtype=torch.int32, device=device)
+    floored = assert_matches_reference(batch)
+    assert (full[:3] - floored[:3]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32, 64, 128])
+def test_block_sizes(block_size, device):
+    batch = PagedBatch(
+        device, gen(8), [1, 9, 20], [45, 9, 70], block_size=block_size, window=23, floors=[5, 0, 31]
+    )
+    assert_matches_reference(batch)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+def test_head_dims(head_dim, device):
+    batch = PagedBatch(device, gen(9), [1, 6], [20, 19], head_dim=head_dim, num_q_heads=2, num_kv_heads=1)
+    assert_matches_reference(batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype, device):
+    batch = PagedBatch(device, gen(10), [1, 12, 5], [33, 12, 40], dtype=dtype, window=20, floors=[0, 0, 4])
+    assert_matches_reference(batch, tol=HALF_TOL[dtype])
+
+
+def test_empty_batch(device):
+    batch = PagedBatch(device, gen(11), [], [])
+    out = batch.run()
+    assert out.shape == (0, 4, 32)
+
+
+def test_rows_without_queries_and_padded_tokens_are_not_written(device):
+    # Rows 0 and 2 schedule nothing this step; tokens past query_start_loc[-1] are padding.
+    batch = PagedBatch(device, gen(12), [0, 5, 0, 1], [10, 18, 7, 33], padded_tokens=3)
+    sentinel = torch.full_like(batch.query, 7.0)
+    out = assert_matches_reference(batch, out=sentinel)
+    assert out is sentinel
+    assert (out[batch.num_real_tokens :] == 7.0).all()
+
+    idle = PagedBatch(device, gen(13), [0, 0], [10, 18], padded_tokens=4)
+    sentinel = torch.full_like(idle.query, 7.0)
+    assert (idle.run(out=sentinel) == 7.0).all()
+
+
+def test_strided_query_and_output(device):
+    """query and out may be views into wider buffers (e.g. a fused qkv projection)."""
+    batch = PagedBatch(device, gen(14), [1, 8], [25, 30], num_q_heads=4, num_kv_heads=2, head_dim=32)
+    wide = torch.randn(batch.query.shape[0], 6, 32, generator=gen(15)).to(device)
+    wide[:, 1:5] = batch.query
+    batch.query = wide[:, 1:5]
+    out_buffer = torch.zeros(batch.query.shape[0], 4, 64, device=device)
+    assert_matches_reference(batch, out=out_buffer[:, :, 16:48])
+    assert (out_buffer[:, :, :16] == 0).all() and (out_buffer[:, :, 48:] == 0).all()
+
+
+def test_max_query_len_hint_matches_default_tiling(device):
+    batch = PagedBatch(device, gen(16), [1, 30, 2], [20, 41, 50], num_q_heads=8, num_kv_heads=2, window=9)
+    hinted = assert_matches_reference(batch, max_query_len=30)
+    torch.testing.assert_close(hinted, batch.run(), rtol=1e-6, atol=1e-6)
+    # The hint only shapes tiles: an understated one is still correct.
+    assert_matches_reference(batch, max_query_len=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [0, 512])
+def test_compiled_bf16_long_context(window, device):
+    """Real sizes on the GPU: long rows, many query tiles and KV tiles, bf16 caches."""
+    batch = PagedBatch(
+        device,
+        gen(17),
+        [1, 1, 700, 300],
+        [3000, 17, 700, 2100],
+        num_q_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+        block_size=16,
+        window=window,
+        floors=[0, 0, 0, 1500],
+        dtype=torch.bfloat16,
+    )
+    assert_matches_reference(batch, tol=HALF_TOL[torch.bfloat16])
