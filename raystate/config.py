@@ -227,6 +227,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # "auto": float32 on the CPU, bfloat16 on CUDA; or float32 / bfloat16 / float16
     seed: int = 0
+    cuda_graphs: bool = True  # capture decode-only steps on CUDA (ignored on the CPU)
     model_path: str | None = None  # a save_pretrained directory; None: seeded weights of `model`
 
     def __post_init__(self) -> None:

@@ -68,6 +68,7 @@ class LLM:
         seed: int = 0,
         max_model_len: int | None = None,
         dtype: str = "auto",
+        cuda_graphs: bool = True,
         backend: str = "inprocess",
     ) -> None:
         model_cfg, path = _model_config(model, max_model_len)
@@ -86,6 +87,7 @@ class LLM:
             ),
             device=device,
             dtype=dtype,
+            cuda_graphs=cuda_graphs,
             seed=seed,
             model_path=path,
         )

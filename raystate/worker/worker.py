@@ -22,6 +22,7 @@ from raystate.state.input_batch import InputBatch
 from raystate.state.model_state import HybridModelState
 from raystate.state.requests import RequestStates
 from raystate.worker.block_table import BlockTables
+from raystate.worker.cudagraph import DecodeGraphs
 from raystate.worker.kv_cache import allocate_kv_caches
 from raystate.worker.sampler import Sampler
 
@@ -64,6 +65,10 @@ class Worker:
         )
         self.sampler = Sampler(self.device, config.seed)
         self.logit_recorder: LogitRecorder | None = None
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(self)
+            self.graphs.capture()
 
     # -- applying the message -------------------------------------------------------------------------
 
@@ -105,10 +110,13 @@ class Worker:
         slot_mappings = self.block_tables.slot_mappings(batch.token_slots, batch.positions, slot_buf)
         tables = self.block_tables.batch_tables(batch.idx_mapping)
         meta = self.model_state.prepare_attn(batch, states, tables, slot_mappings)
-        hidden = self.model(batch.input_ids, batch.positions, lookback, meta, self.kv_caches)
-        if self.logit_recorder is not None:
-            self._record_logits(batch, hidden)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if self._graph_step(batch, meta):
+            logits = self.graphs.run(batch, tables, slot_mappings)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, lookback, meta, self.kv_caches)
+            if self.logit_recorder is not None:
+                self._record_logits(batch, hidden)
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled = self._sample(batch, logits)
         states.num_computed[batch.idx_mapping_np] += batch.num_scheduled_np
         return StepResult(
@@ -116,6 +124,16 @@ class Worker:
             req_ids=rows,
             sampled=ids_to_bytes(sampled.tolist()),
             execute_ns=time.perf_counter_ns() - t0,
+        )
+
+    def _graph_step(self, batch: InputBatch, meta) -> bool:
+        """Decode-only steps (one token per row, no replay floor) that fit a captured size replay a graph."""
+        return (
+            self.graphs is not None
+            and self.logit_recorder is None
+            and batch.max_query_len == 1
+            and all(g.kv_floor is None for g in meta.groups.values())
+            and self.graphs.size_for(batch.num_reqs) is not None
         )
 
     def _sample(self, batch: InputBatch, logits: torch.Tensor) -> np.ndarray:
