@@ -1,7 +1,8 @@
 """`raystate.LLM`: offline batch generation, the programmatic entry point.
 
-    llm = LLM(model="tiny")
+    llm = LLM(model="tiny")  # backend="ray" (a Ray deployment, num_shards=1); "inprocess" for debugging
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
+    llm.shutdown()
 
 Arguments mirror what a vLLM user expects; they are validated once here into a frozen `EngineConfig`.
 """
@@ -9,6 +10,7 @@ Arguments mirror what a vLLM user expects; they are validated once here into a f
 from __future__ import annotations
 
 import itertools
+import queue
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -69,8 +71,15 @@ class LLM:
         max_model_len: int | None = None,
         dtype: str = "auto",
         cuda_graphs: bool = True,
-        backend: str = "inprocess",
+        backend: str = "ray",
+        num_shards: int = 1,
+        address: str | None = None,
+        ray_options: dict | None = None,
     ) -> None:
+        """`backend="ray"` (the default) starts a deployment: a scheduler actor and `num_shards` worker
+        actors, on the Ray cluster at `address` (or a local one); `ray_options` are
+        `raystate.launch.LaunchOptions` fields (dispatch, num_cpus_per_shard, ...). `backend="inprocess"`
+        runs the scheduler and one worker in this process, for debugging."""
         model_cfg, path = _model_config(model, max_model_len)
         self.config = EngineConfig(
             model=model_cfg,
@@ -92,12 +101,32 @@ class LLM:
             model_path=path,
         )
         self.tokenizer = ByteTokenizer()
-        if backend != "inprocess":
-            raise InvalidRequest("backend", "'inprocess'", backend)
-        from raystate.engine import InProcessEngine
-
-        self.engine = InProcessEngine(self.config)
         self._ids = itertools.count()
+        self.backend = backend
+        self.engine = None  # the in-process engine
+        self.cluster = None  # the Ray deployment
+        if backend == "inprocess":
+            if num_shards != 1:
+                raise InvalidRequest("num_shards", "1 with backend='inprocess'", num_shards)
+            from raystate.engine import InProcessEngine
+
+            self.engine = InProcessEngine(self.config)
+        elif backend == "ray":
+            from raystate import launch
+            from raystate.cluster import Cluster, ensure_ray
+
+            ensure_ray(address)
+            self.cluster = Cluster.start(
+                self.config, name=launch.free_name("raystate"), num_shards=num_shards, **(ray_options or {})
+            )
+        else:
+            raise InvalidRequest("backend", "'ray' or 'inprocess'", backend)
+
+    def shutdown(self) -> None:
+        """Stops the Ray deployment (nothing to do in-process)."""
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
 
     def _prompts(self, prompts, prompt_token_ids) -> list[tuple[str | None, list[int]]]:
         if prompts is not None and prompt_token_ids is not None:
@@ -139,6 +168,8 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
         if len(params) != len(items):
             raise InvalidRequest("sampling_params", f"one per prompt ({len(items)})", len(params))
+        if self.cluster is not None:
+            return self._generate_ray(items, params, use_tqdm)
         outputs: dict[str, RequestOutput] = {}
         order: list[str] = []
         for (text, ids), sp in zip(items, params, strict=True):
@@ -156,17 +187,49 @@ class LLM:
         pending = set(order)
         while pending:
             for u in self.engine.step():
-                out = outputs.get(u.req_id)
-                if out is None:
-                    continue
-                out.token_ids.extend(u.new_token_ids)
-                out.num_cached_tokens = u.num_cached_tokens
-                out.replay_start = u.replay_start
-                if u.finished:
-                    out.finish_reason = u.finish_reason
-                    pending.discard(u.req_id)
-                    bar.update(1)
+                _apply_update(outputs, pending, bar, u)
+        return self._finish(outputs, order, bar)
+
+    def _generate_ray(self, items, params, use_tqdm: bool) -> list[RequestOutput]:
+        """Submits the call's prompts as one atomic batch and collects the streamed updates."""
+        outputs: dict[str, RequestOutput] = {}
+        batch = []
+        for (text, ids), sp in zip(items, params, strict=True):
+            rid = f"req-{next(self._ids)}"
+            outputs[rid] = RequestOutput(request_id=rid, prompt=text, prompt_token_ids=ids)
+            batch.append((rid, ids, sp))
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.cluster.submit(batch, inbox.put)  # InvalidRequest withdraws the whole batch
+        order = list(outputs)
+        bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm or len(order) < 2)
+        pending = set(order)
+        try:
+            while pending:
+                item = inbox.get()
+                if isinstance(item, BaseException):
+                    raise item
+                _apply_update(outputs, pending, bar, item)
+        except BaseException:  # e.g. Ctrl-C: the deployment must not keep generating for nobody
+            bar.close()
+            self.cluster.abort_nowait(pending)
+            raise
+        return self._finish(outputs, order, bar)
+
+    def _finish(self, outputs: dict[str, RequestOutput], order: list[str], bar) -> list[RequestOutput]:
         bar.close()
         for out in outputs.values():
             out.text = self.tokenizer.decode(out.token_ids)
         return [outputs[r] for r in order]
+
+
+def _apply_update(outputs: dict[str, RequestOutput], pending: set[str], bar, u) -> None:
+    out = outputs.get(u.req_id)
+    if out is None:
+        return
+    out.token_ids.extend(u.new_token_ids)
+    out.num_cached_tokens = u.num_cached_tokens
+    out.replay_start = u.replay_start
+    if u.finished:
+        out.finish_reason = u.finish_reason
+        pending.discard(u.req_id)
+        bar.update(1)

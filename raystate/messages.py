@@ -1,6 +1,7 @@
-"""Every type that crosses the scheduler -> worker boundary, as msgspec Structs, plus one encoder/decoder.
+"""Every type that crosses an actor boundary, as msgspec Structs, plus one encoder and typed decoders.
 
 The scheduler builds one `StepMessage` per shard and step; the worker answers with a `StepResult`.
+Clients of the Ray backend submit `AddBatch`es to the scheduler actor and poll `UpdateBatch`es back.
 Token ids travel as little-endian int32 bytes. A new request goes out once in full (`NewRequest`); after
 that only what changed (`RunningDelta`). `array_like=True` keeps the encoding compact (no field names on
 the wire) and `gc=False` keeps these short-lived objects out of the cyclic GC.
@@ -122,26 +123,90 @@ class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
     replay_start: int  # replay start of the latest admission (SPEC 3.3; 0 without replay)
 
 
-WireType = SamplingParams | NewRequest | RunningDelta | StepMessage | StepResult | RequestUpdate
+# -- client <-> scheduler actor (the Ray backend) ---------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, array_like=True, gc=False):
+    """A request a client submits to the scheduler actor (sent in batches: `AddBatch`)."""
+
+    req_id: str
+    token_ids: bytes  # int32 LE [num_prompt_tokens]
+    sampling: SamplingParams
+
+
+class AddBatch(msgspec.Struct, array_like=True, gc=False):
+    """Requests one client submits at once. The batch is atomic: one bad request withdraws the others."""
+
+    client_id: str
+    requests: list[AddRequest]
+
+
+class Rejected(msgspec.Struct, array_like=True, gc=False):
+    """Why a batch was refused: `requests[index]` broke a limit (the fields of InvalidRequest)."""
+
+    index: int
+    field: str
+    limit: str
+    got: str  # repr of the offending value
+
+    def to_error(self) -> InvalidRequest:
+        err = InvalidRequest(self.field, self.limit, self.got)
+        err.args = (f"{self.field}: must be {self.limit}, got {self.got}",)  # `got` is a repr already
+        return err
+
+
+class UpdateBatch(msgspec.Struct, array_like=True, gc=False):
+    """The updates a client's poll collected, in step order; `error` set once the engine is dead."""
+
+    updates: list[RequestUpdate]
+    error: str | None = None
+
+
+WireType = (
+    SamplingParams
+    | NewRequest
+    | RunningDelta
+    | StepMessage
+    | StepResult
+    | RequestUpdate
+    | AddRequest
+    | AddBatch
+    | Rejected
+    | UpdateBatch
+)
 
 _encoder = msgspec.msgpack.Encoder()
-_step_decoder = msgspec.msgpack.Decoder(StepMessage)
-_result_decoder = msgspec.msgpack.Decoder(StepResult)
+_decoders: dict[type, msgspec.msgpack.Decoder] = {
+    t: msgspec.msgpack.Decoder(t) for t in (StepMessage, StepResult, AddBatch, Rejected, UpdateBatch)
+}
 
 
 def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_step(data: bytes) -> StepMessage:
+def _decode(kind: type, data: bytes):
     try:
-        return _step_decoder.decode(data)
+        return _decoders[kind].decode(data)
     except msgspec.DecodeError as e:
-        raise msgspec.DecodeError(f"StepMessage: cannot decode {len(data)} bytes: {e}") from e
+        raise msgspec.DecodeError(f"{kind.__name__}: cannot decode {len(data)} bytes: {e}") from e
+
+
+def decode_step(data: bytes) -> StepMessage:
+    return _decode(StepMessage, data)
 
 
 def decode_result(data: bytes) -> StepResult:
-    try:
-        return _result_decoder.decode(data)
-    except msgspec.DecodeError as e:
-        raise msgspec.DecodeError(f"StepResult: cannot decode {len(data)} bytes: {e}") from e
+    return _decode(StepResult, data)
+
+
+def decode_add_batch(data: bytes) -> AddBatch:
+    return _decode(AddBatch, data)
+
+
+def decode_rejected(data: bytes) -> Rejected:
+    return _decode(Rejected, data)
+
+
+def decode_update_batch(data: bytes) -> UpdateBatch:
+    return _decode(UpdateBatch, data)

@@ -24,7 +24,7 @@ def make_llm():
     def make(**kw) -> tuple[LLM, LogitLog]:
         kw.setdefault("max_model_len", 256)
         kw.setdefault("max_num_seqs", 8)
-        llm = LLM(model="tiny", device="cpu", **kw)
+        llm = LLM(model="tiny", device="cpu", backend="inprocess", **kw)
         log = LogitLog()
         llm.engine.worker.logit_recorder = log
         return llm, log

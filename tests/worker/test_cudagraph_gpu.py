@@ -26,7 +26,14 @@ def test_graph_replay_equals_eager(dtype):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     outs = {}
     for graphs in (True, False):
-        llm = LLM(device="cuda", dtype=dtype, cuda_graphs=graphs, max_num_seqs=16, max_model_len=512)
+        llm = LLM(
+            backend="inprocess",
+            device="cuda",
+            dtype=dtype,
+            cuda_graphs=graphs,
+            max_num_seqs=16,
+            max_model_len=512,
+        )
         worker = llm.engine.worker
         assert (worker.graphs is not None) == graphs
         lookback_addr = worker.model_state.lookback.data_ptr()

@@ -45,6 +45,8 @@ def test_seeded_generation_repeats_across_engines(monkeypatch):
     monkeypatch.setenv("RAYSTATE_KERNELS", "reference")  # sampling is under test here, not the kernels
     params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
     prompts = ["abc", "the window"]
-    a = LLM(max_model_len=128, max_num_seqs=4).generate(prompts, params, use_tqdm=False)
-    b = LLM(max_model_len=128, max_num_seqs=4, seed=99).generate(prompts[::-1], params, use_tqdm=False)
+    a = LLM(backend="inprocess", max_model_len=128, max_num_seqs=4).generate(prompts, params, use_tqdm=False)
+    b = LLM(backend="inprocess", max_model_len=128, max_num_seqs=4, seed=99).generate(
+        prompts[::-1], params, use_tqdm=False
+    )
     assert [o.token_ids for o in a] == [o.token_ids for o in b[::-1]]

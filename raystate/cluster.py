@@ -1,0 +1,367 @@
+"""The Ray backend, seen from the caller: `Cluster` starts or finds a deployment, `RayClient` talks to it.
+
+    cluster = Cluster.start(config, name="raystate", num_shards=2)
+    rid = await cluster.add_request(prompt_ids, SamplingParams(max_tokens=32))
+    async for update in cluster.stream():      # every request added through the cluster, as tokens come
+        ...
+    await cluster.shutdown()
+
+A `Cluster` is a `RayClient`, the `raystate.client.Client` every front end uses (Ray Serve included), so
+they run on this backend unchanged; `Cluster.connect(name)` attaches to a running deployment.
+
+Protocol. A client submits requests in atomic batches (`AddBatch`, one actor call: one bad request
+withdraws the batch and raises `InvalidRequest` naming the field and the limit) and one background thread
+long-polls the scheduler actor for the `RequestUpdate`s of all its requests at once (`UpdateBatch`), so the
+cost per step is one call per client, not one per request. A scheduler that died (its actor is gone, the
+poll errors at once) or stopped answering (`poll_wait_s + grace_s`, 16 s by default) fails every pending
+call with `EngineDead`: never a hang.
+
+Routing (done by the scheduler, `raystate.scheduler.router`). A new request goes to the shard with the
+highest `saved_tokens - load_penalty * load`: `saved_tokens` is the prefill work a prefix hit on that shard
+saves (the request's `num_computed` after admission there: whole cached blocks, minus the sliding-window
+replay when bounded replay is on, and 0 for a hit within the replay window), `load` the requests the shard
+holds (running + waiting) and `load_penalty` 128 tokens per request. Ties go to the lower load, then the
+lower shard index. So requests sharing a long cached prefix follow it to its shard, and with no hits the
+least-loaded shard wins, which spreads a flood of distinct prompts. A request stays on its shard (a
+preempted one is re-queued there) unless the shard is lost: then its requests are re-admitted on the
+restarted worker, or re-routed by the same rule when the shard is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from raystate.client import Client
+from raystate.config import EngineConfig
+from raystate.errors import EngineDead, InvalidRequest
+from raystate.messages import (
+    AddBatch,
+    AddRequest,
+    RequestUpdate,
+    SamplingParams,
+    decode_rejected,
+    decode_update_batch,
+    encode,
+    ids_to_bytes,
+)
+
+# Receives a request's updates, or the EngineDead that ends them; called from the poll thread.
+Sink = Callable[[RequestUpdate | BaseException], None]
+
+
+def _engine_error(e: BaseException, what: str) -> BaseException:
+    """The error a caller sees when a call to the scheduler actor failed."""
+    if isinstance(e, RayTaskError) and isinstance(e.cause, EngineDead):
+        return EngineDead(str(e.cause))
+    if isinstance(e, RayActorError):
+        return EngineDead(f"{what}: the scheduler actor is gone ({type(e).__name__})")
+    if isinstance(e, GetTimeoutError | TimeoutError):
+        return EngineDead(f"{what}: the scheduler actor did not answer in time")
+    return e
+
+
+class RayClient(Client):
+    """`Client` over a deployment's scheduler actor. Thread-safe; usable from any event loop."""
+
+    def __init__(
+        self,
+        scheduler,
+        config: EngineConfig,
+        on_shutdown: Callable[[], None] | None = None,
+        poll_wait_s: float = 1.0,
+        grace_s: float = 15.0,
+        call_timeout_s: float = 25.0,
+    ) -> None:
+        self._scheduler = scheduler
+        self._config = config
+        self._on_shutdown = on_shutdown
+        self.poll_wait_s = poll_wait_s
+        self.grace_s = grace_s
+        self.call_timeout_s = call_timeout_s
+        self.client_id = uuid.uuid4().hex
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._sinks: dict[str, Sink] = {}
+        self._poller: threading.Thread | None = None
+        self._dead: EngineDead | None = None
+        self._closed = False
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    @property
+    def scheduler(self):
+        return self._scheduler
+
+    def new_request_id(self) -> str:
+        return f"{self.client_id[:8]}-{next(self._ids)}"
+
+    # -- submitting ----------------------------------------------------------------------------------------
+
+    def _encode_batch(self, items: Sequence[tuple[str, list[int], SamplingParams]]) -> bytes:
+        reqs = []
+        for rid, ids, sampling in items:
+            if not isinstance(sampling, SamplingParams):
+                raise InvalidRequest("sampling", "a SamplingParams", type(sampling).__name__)
+            try:
+                data = ids_to_bytes(ids)
+            except (TypeError, OverflowError) as e:
+                raise InvalidRequest("prompt_token_ids", "a list of int32 token ids", str(e)) from None
+            reqs.append(AddRequest(rid, data, sampling))
+        return encode(AddBatch(self.client_id, reqs))
+
+    def _register(self, rids: list[str], sink: Sink) -> None:
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDead(str(self._dead))
+            if self._closed:
+                raise EngineDead("the client is shut down")
+            taken = [rid for rid in rids if rid in self._sinks]
+            if taken or len(set(rids)) < len(rids):
+                raise InvalidRequest("request_id", "unique among unfinished requests", taken or rids)
+            for rid in rids:
+                self._sinks[rid] = sink
+            if self._poller is None:
+                self._poller = threading.Thread(target=self._poll_loop, name="raystate-poll", daemon=True)
+                self._poller.start()
+
+    def _unregister(self, rids: list[str]) -> None:
+        with self._lock:
+            for rid in rids:
+                self._sinks.pop(rid, None)
+
+    def _accepted(self, reply: bytes, rids: list[str]) -> None:
+        if reply:
+            self._unregister(rids)
+            raise decode_rejected(reply).to_error()
+
+    def submit(self, items: Sequence[tuple[str, list[int], SamplingParams]], sink: Sink) -> None:
+        """Blocking: queues (request id, prompt ids, sampling) triples atomically; updates go to `sink`."""
+        data = self._encode_batch(items)
+        rids = [rid for rid, _, _ in items]
+        self._register(rids, sink)
+        try:
+            reply = ray.get(self._scheduler.add_requests.remote(data), timeout=self.call_timeout_s)
+        except Exception as e:
+            self._unregister(rids)
+            raise _engine_error(e, "add_requests") from e
+        self._accepted(reply, rids)
+
+    async def submit_async(self, items: Sequence[tuple[str, list[int], SamplingParams]], sink: Sink) -> None:
+        data = self._encode_batch(items)
+        rids = [rid for rid, _, _ in items]
+        self._register(rids, sink)
+        try:
+            reply = await self._call(self._scheduler.add_requests.remote(data), "add_requests")
+        except BaseException:
+            self._unregister(rids)
+            raise
+        self._accepted(reply, rids)
+
+    async def _call(self, ref, what: str, timeout_s: float | None = None):
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s or self.call_timeout_s)
+        except Exception as e:
+            raise _engine_error(e, what) from e
+
+    # -- the poll thread -----------------------------------------------------------------------------------
+
+    def _poll_loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not self._sinks:
+                    self._poller = None
+                    return
+            ref = self._scheduler.poll.remote(self.client_id, self.poll_wait_s)
+            try:
+                batch = decode_update_batch(ray.get(ref, timeout=self.poll_wait_s + self.grace_s))
+            except Exception as e:
+                self._fail(_engine_error(e, "poll"))
+                return
+            for u in batch.updates:
+                with self._lock:
+                    sink = self._sinks.pop(u.req_id, None) if u.finished else self._sinks.get(u.req_id)
+                if sink is not None:
+                    try:
+                        sink(u)
+                    except RuntimeError:  # its event loop is closed: the caller is gone
+                        self._unregister([u.req_id])
+            if batch.error is not None:
+                self._fail(EngineDead(batch.error))
+                return
+
+    def _fail(self, error: BaseException) -> None:
+        if not isinstance(error, EngineDead):
+            error = EngineDead(f"poll failed: {error!r}")
+        with self._lock:
+            self._dead = error
+            sinks = list(self._sinks.values())
+            self._sinks.clear()
+            self._poller = None
+        for sink in sinks:
+            sink(error)
+
+    # -- the Client API ------------------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestUpdate]:
+        rid = request_id or self.new_request_id()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        await self.submit_async(
+            [(rid, list(prompt_token_ids), sampling)],
+            lambda u: loop.call_soon_threadsafe(queue.put_nowait, u),
+        )
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDead(str(item)) from item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort_nowait([rid])  # the caller went away
+
+    async def abort(self, request_id: str) -> None:
+        await self._call(self._scheduler.abort.remote(request_id), "abort")
+
+    def abort_nowait(self, request_ids) -> None:
+        """Fire and forget: aborts these requests unless the engine is already gone."""
+        self._unregister(list(request_ids))
+        if self._dead is None:
+            for rid in request_ids:
+                self._scheduler.abort.remote(rid)
+
+    async def health(self, timeout_s: float = 60.0) -> bool:
+        return await self._call(self._scheduler.health.remote(timeout_s), "health", timeout_s + 10.0)
+
+    async def status(self) -> dict[str, Any]:
+        return await self._call(self._scheduler.status.remote(), "status")
+
+    async def request_shard(self, request_id: str) -> int:
+        """The shard an unfinished request was routed to (-1 once finished or unknown)."""
+        return await self._call(self._scheduler.request_shard.remote(request_id), "request_shard")
+
+    def close(self) -> None:
+        """Stops polling; requests still running are left to the deployment (it aborts them later)."""
+        with self._lock:
+            self._closed = True
+            poller = self._poller
+        if poller is not None:
+            poller.join(self.poll_wait_s + self.grace_s)
+
+    async def shutdown(self) -> None:
+        """Closes the client; a client that started its deployment also stops the deployment."""
+        await asyncio.to_thread(self.close)
+        if self._on_shutdown is not None:
+            await asyncio.to_thread(self._on_shutdown)
+
+
+def ensure_ray(address: str | None) -> None:
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False)
+
+
+class Cluster(RayClient):
+    """A Ray deployment of the engine (a scheduler actor, one worker actor per shard) and a client of it.
+
+    Being a `RayClient`, it is the `Client` front ends take. `shutdown()` stops the deployment when this
+    process started it and only closes the client when it connected; `stop()` always stops it.
+    """
+
+    def __init__(self, name: str, scheduler, config: EngineConfig, deployment=None) -> None:
+        super().__init__(scheduler, config, on_shutdown=self._stop_deployment if deployment else None)
+        self.name = name
+        self.deployment = deployment  # launch.Deployment when this process started it
+        self._queue: asyncio.Queue | None = None
+        self._queue_loop: asyncio.AbstractEventLoop | None = None
+        self._pending: set[str] = set()
+
+    @classmethod
+    def start(
+        cls,
+        config: EngineConfig,
+        name: str = "raystate",
+        num_shards: int = 1,
+        address: str | None = None,
+        **options: Any,
+    ) -> Cluster:
+        """Starts a deployment (connecting to Ray at `address`, or a local one, first if needed).
+
+        `options` are `raystate.launch.LaunchOptions` fields: dispatch="compiled" | "actor",
+        num_cpus_per_shard, num_gpus_per_shard, worker_env, step_timeout_s, detached, ...
+        """
+        from raystate import launch
+
+        ensure_ray(address)
+        deployment = launch.start(config, launch.LaunchOptions(name=name, num_shards=num_shards, **options))
+        return cls(name, deployment.scheduler, config, deployment)
+
+    @classmethod
+    def connect(cls, name: str = "raystate", address: str | None = None) -> Cluster:
+        """Attaches to a running deployment by name (its Ray namespace); InvalidRequest (a ValueError)
+        when there is none."""
+        from raystate.launch import SCHEDULER_NAME
+
+        ensure_ray(address or "auto")
+        try:
+            scheduler = ray.get_actor(SCHEDULER_NAME, namespace=name)
+        except ValueError:
+            raise InvalidRequest("name", "a running deployment", name) from None
+        return cls(name, scheduler, ray.get(scheduler.get_config.remote()))
+
+    async def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queues a request whose updates come out of `stream()`; returns its id."""
+        loop = asyncio.get_running_loop()
+        if self._queue is None or self._queue_loop is not loop:  # the stream lives in the caller's loop
+            self._queue, self._queue_loop = asyncio.Queue(), loop
+        queue = self._queue
+        rid = request_id or self.new_request_id()
+        self._pending.add(rid)
+        try:
+            await self.submit_async(
+                [(rid, list(prompt_token_ids), sampling or SamplingParams())],
+                lambda u: loop.call_soon_threadsafe(queue.put_nowait, u),
+            )
+        except BaseException:
+            self._pending.discard(rid)
+            raise
+        return rid
+
+    async def stream(self) -> AsyncIterator[RequestUpdate]:
+        """Updates of the requests added through `add_request`, in arrival order, until none is left."""
+        while self._pending:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._pending.clear()
+                raise EngineDead(str(item)) from item
+            if item.finished:
+                self._pending.discard(item.req_id)
+            yield item
+
+    def _stop_deployment(self) -> None:
+        from raystate import launch
+
+        launch.stop(self.name, self.deployment.placement_group if self.deployment else None)
+
+    def stop(self) -> None:
+        """Blocking: closes the client and stops the deployment, whoever started it."""
+        self.close()
+        self._stop_deployment()

@@ -1,0 +1,247 @@
+"""Starting and stopping a deployment: one placement group, one worker actor per shard, the scheduler.
+
+The one module that imports both actor classes. Placement: one placement group per deployment with one
+bundle per shard (`{"GPU": 1, "CPU": c}` on GPUs; on the CPU the same code with `{"CPU": c}` bundles),
+strategy PACK by default. Shards are numbered node by node (bundles sorted by node address, then index),
+so neighbouring shards share a node. Actors are named in a Ray namespace named after the deployment:
+`worker-{i}` and `scheduler`, so tools and tests find them with `ray.get_actor(name, namespace=...)`.
+
+The scheduler actor goes to the node that starts the deployment (softly) and is never restarted: its
+state cannot be rebuilt, and clients turn its death into `EngineDead`. Workers restart up to
+`max_worker_restarts` times; one that is gone for good is replaced in its bundle by the scheduler through
+`WorkerSpawner`, which travels to the scheduler actor pickled.
+
+Environment variables named `RAYSTATE_*` in the starting process (e.g. `RAYSTATE_KERNELS=reference`) are
+passed on to the worker actors, merged with `LaunchOptions.worker_env`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from raystate.config import EngineConfig
+from raystate.errors import InvalidRequest
+from raystate.scheduler.actor import SchedulerActor
+from raystate.worker.actor import WorkerActor
+
+SCHEDULER_NAME = "scheduler"
+
+
+def worker_name(shard: int) -> str:
+    return f"worker-{shard}"
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How a deployment is placed and run (the engine itself is configured by `EngineConfig`)."""
+
+    name: str = "raystate"  # deployment name = Ray namespace of its actors
+    num_shards: int = 1
+    # "compiled" (Ray Compiled Graph: fastest; each worker spins a CPU core polling its channel) or
+    # "actor" (plain actor calls: ~1 ms per step more, nothing spins).
+    dispatch: str = "compiled"
+    num_gpus_per_shard: float | None = None  # None: 1 when config.device is CUDA, else 0
+    num_cpus_per_shard: float = 1.0
+    scheduler_num_cpus: float = 0.0
+    scheduler_node_id: str | None = None  # None: the node of the process that starts the deployment
+    placement_strategy: str = "PACK"
+    worker_env: dict[str, str] = field(default_factory=dict)
+    max_worker_restarts: int = 3
+    step_timeout_s: float = 120.0  # a step that takes longer counts as a fault
+    probe_interval_s: float = 2.0  # an idle engine sends an empty step to every shard this often
+    respawn_timeout_s: float = 60.0  # how long a worker may take to come back before its shard is dropped
+    start_timeout_s: float = 300.0  # placement, then every worker up (model loaded)
+    detached: bool = False  # actors outlive the starting process (stop them with `stop(name)`)
+    dry_run: bool = False  # workers answer every step without a model (dispatch benchmarks)
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise InvalidRequest("num_shards", ">= 1", self.num_shards)
+        if self.dispatch not in ("compiled", "actor"):
+            raise InvalidRequest("dispatch", "'compiled' or 'actor'", self.dispatch)
+        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise InvalidRequest(
+                "placement_strategy", "PACK, SPREAD, STRICT_PACK or STRICT_SPREAD", self.placement_strategy
+            )
+
+
+@dataclass
+class Deployment:
+    name: str
+    scheduler: object  # ActorHandle
+    workers: list  # ActorHandle per shard
+    placement_group: PlacementGroup
+    dispatch: str  # the dispatch in use (a failed graph compile falls back to actor calls)
+
+
+def _gpus(config: EngineConfig, options: LaunchOptions) -> float:
+    if options.num_gpus_per_shard is not None:
+        return options.num_gpus_per_shard
+    return 1.0 if config.device.startswith("cuda") else 0.0
+
+
+def _bundle(config: EngineConfig, options: LaunchOptions) -> dict[str, float]:
+    bundle = {"CPU": options.num_cpus_per_shard, "GPU": _gpus(config, options)}
+    bundle = {k: v for k, v in bundle.items() if v > 0}
+    if not bundle:
+        raise InvalidRequest("num_cpus_per_shard", "> 0 when a shard has no GPU", options.num_cpus_per_shard)
+    return bundle
+
+
+def _node_sorted_bundles(pg: PlacementGroup) -> list[int]:
+    """Bundle indices ordered by node address (then node id and index): shard i -> result[i]."""
+    to_node = placement_group_table(pg)["bundles_to_node_id"]
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    return sorted(to_node, key=lambda b: (address.get(to_node[b], ""), to_node[b], b))
+
+
+@dataclass(frozen=True)
+class WorkerSpawner:
+    """Creates shard i's worker actor in its placement bundle (at start, and when a worker is replaced)."""
+
+    config: EngineConfig
+    options: LaunchOptions
+    placement_group: PlacementGroup
+    bundle_of_shard: tuple[int, ...]
+    env: dict[str, str]
+
+    def __call__(self, shard: int):
+        opts = self.options
+        return (
+            ray.remote(WorkerActor)
+            .options(
+                name=worker_name(shard),
+                namespace=opts.name,
+                num_cpus=opts.num_cpus_per_shard,
+                num_gpus=_gpus(self.config, opts),
+                max_restarts=opts.max_worker_restarts,
+                max_task_retries=0,
+                lifetime="detached" if opts.detached else None,
+                runtime_env={"env_vars": self.env} if self.env else None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=self.bundle_of_shard[shard]
+                ),
+            )
+            .remote(self.config, shard, opts.dry_run)
+        )
+
+
+def exists(name: str) -> bool:
+    try:
+        ray.get_actor(SCHEDULER_NAME, namespace=name)
+    except ValueError:
+        return False
+    return True
+
+
+def free_name(base: str = "raystate") -> str:
+    """`base`, or `base-2`, `base-3`, ... : the first deployment name not in use."""
+    name, n = base, 1
+    while exists(name):
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
+def start(config: EngineConfig, options: LaunchOptions) -> Deployment:
+    """Places and starts a deployment; returns once every worker answered and the step loop runs."""
+    if exists(options.name):
+        raise InvalidRequest("name", "a deployment name not in use", options.name)
+    bundles = [_bundle(config, options)] * options.num_shards
+    pg = placement_group(
+        bundles,
+        strategy=options.placement_strategy,
+        name=f"raystate-{options.name}",
+        lifetime="detached" if options.detached else None,
+    )
+    try:
+        ray.get(pg.ready(), timeout=options.start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise InvalidRequest(
+            "num_shards", f"placeable within {options.start_timeout_s} s: bundles {bundles}", options
+        ) from None
+    env = {k: v for k, v in os.environ.items() if k.startswith("RAYSTATE_")}
+    env.update(options.worker_env)
+    spawner = WorkerSpawner(config, options, pg, tuple(_node_sorted_bundles(pg)), env)
+    workers = [spawner(i) for i in range(options.num_shards)]
+    try:
+        ray.get([w.incarnation.remote() for w in workers], timeout=options.start_timeout_s)
+    except BaseException:
+        _kill(None, workers, pg)
+        raise
+    scheduler = (
+        ray.remote(SchedulerActor)
+        .options(
+            name=SCHEDULER_NAME,
+            namespace=options.name,
+            num_cpus=options.scheduler_num_cpus,
+            max_restarts=0,
+            lifetime="detached" if options.detached else None,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                options.scheduler_node_id or ray.get_runtime_context().get_node_id(), soft=True
+            ),
+        )
+        .remote(
+            config,
+            workers,
+            name=options.name,
+            dispatch=options.dispatch,
+            step_timeout_s=options.step_timeout_s,
+            probe_interval_s=options.probe_interval_s,
+            respawn_timeout_s=options.respawn_timeout_s,
+            spawn_worker=spawner,
+        )
+    )
+    try:
+        dispatch = ray.get(scheduler.start.remote())
+    except BaseException:
+        _kill(scheduler, workers, pg)
+        raise
+    return Deployment(options.name, scheduler, workers, pg, dispatch)
+
+
+def stop(name: str, placement_group: PlacementGroup | None = None, timeout_s: float = 30.0) -> None:
+    """Stops the step loop (tearing its compiled graph down), then kills the actors and frees the bundles.
+    Safe to call twice, and after the scheduler died."""
+    scheduler, workers = None, []
+    try:
+        scheduler = ray.get_actor(SCHEDULER_NAME, namespace=name)
+        workers = list(ray.get(scheduler.workers.remote(), timeout=timeout_s).values())
+        ray.get(scheduler.shutdown.remote(), timeout=timeout_s)
+    except (ValueError, ray.exceptions.RayError):
+        pass  # no scheduler (any more): kill what is left
+    misses, shard = 0, 0
+    while misses < 8:  # also the workers a dead scheduler cannot name (a dropped shard leaves a gap)
+        try:
+            workers.append(ray.get_actor(worker_name(shard), namespace=name))
+            misses = 0
+        except ValueError:
+            misses += 1
+        shard += 1
+    if placement_group is None:
+        try:
+            placement_group = ray.util.get_placement_group(f"raystate-{name}")
+        except ValueError:
+            placement_group = None
+    _kill(scheduler, workers, placement_group)
+
+
+def _kill(scheduler, workers: list, pg: PlacementGroup | None) -> None:
+    for handle in [h for h in (scheduler, *workers) if h is not None]:
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(handle)
+    if pg is not None:
+        with contextlib.suppress(Exception):
+            remove_placement_group(pg)

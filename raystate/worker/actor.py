@@ -1,0 +1,76 @@
+"""WorkerActor: one model-state shard behind a Ray actor (one per GPU, or per CPU device in tests).
+
+The scheduler actor sends each step as msgspec bytes, encoded once on its side; the actor decodes them with
+`decode_step`, runs `Worker.execute` and answers with the encoded `StepResult`. The same `execute` method
+serves both dispatch paths: a node of the scheduler's compiled graph, or a plain actor call.
+
+The class is a plain class (`launch.py` applies `ray.remote` with the placement and restart options), and
+torch is imported only when a real worker is built, so importing this module stays light. The device comes
+from the config, never from the Ray resource: tests give actors fake GPUs and run them on the CPU.
+
+`incarnation` is drawn anew each time the process starts, so the scheduler can tell a live shard that
+kept its state from one Ray restarted (state lost) after a fault.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from raystate.config import EngineConfig
+from raystate.messages import StepResult, decode_step, encode, ids_to_bytes
+
+
+class WorkerActor:
+    def __init__(self, config: EngineConfig, shard: int, dry_run: bool = False) -> None:
+        self.config = config
+        self.shard = shard
+        self.dry_run = dry_run
+        self._incarnation = uuid.uuid4().hex
+        self.worker = None
+        if not dry_run:
+            from raystate.worker.worker import Worker
+
+            self.worker = Worker(config)
+
+    def execute(self, data: bytes) -> bytes:
+        """One step: StepMessage bytes in, StepResult bytes out."""
+        msg = decode_step(data)
+        if self.worker is None:  # dry run: answer every row without running the model
+            rows = [r.req_id for r in msg.new_requests if r.num_scheduled > 0]
+            rows += [r.req_id for r in msg.running]
+            return encode(StepResult(msg.step_id, rows, ids_to_bytes([0] * len(rows))))
+        return encode(self.worker.execute(msg))
+
+    def incarnation(self) -> str:
+        """Identifies this process's life: a different value after Ray restarted the actor."""
+        return self._incarnation
+
+    def reset(self) -> int:
+        """Drops every request (their device state is stale after a lost step); returns how many."""
+        if self.worker is None:
+            return 0
+        states = self.worker.states
+        ids = list(states.slot_of)
+        for req_id in ids:
+            states.remove(req_id)
+        return len(ids)
+
+    def num_active(self) -> int:
+        return 0 if self.worker is None else self.worker.num_active()
+
+    def where(self) -> dict:
+        """Node, process and device of this shard (for tools and tests)."""
+        import ray
+
+        return {
+            "shard": self.shard,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "device": self.config.device,
+            "incarnation": self._incarnation,
+        }
+
+    def crash(self) -> None:
+        """Ends the process abruptly, as a crash would (fault tests: Ray restarts the actor)."""
+        os._exit(1)
