@@ -189,8 +189,10 @@ def start(config: EngineConfig, options: LaunchOptions) -> Deployment:
             num_cpus=options.scheduler_num_cpus,
             max_restarts=0,
             lifetime="detached" if options.detached else None,
+            # A node the caller named is a must; the caller's own node only a preference.
             scheduling_strategy=NodeAffinitySchedulingStrategy(
-                options.scheduler_node_id or ray.get_runtime_context().get_node_id(), soft=True
+                options.scheduler_node_id or ray.get_runtime_context().get_node_id(),
+                soft=options.scheduler_node_id is None,
             ),
         )
         .remote(

@@ -1,4 +1,4 @@
-"""SchedulerActor: the step loop of the Ray backend, and the only scheduler module that imports ray.
+"""SchedulerActor: the step loop of the Ray backend (with dispatch.py, the only scheduler code importing ray).
 
 Two threads share one `Scheduler` under a lock. The actor's event loop serves clients: `add_requests`
 (validated, routed and queued at once, while a step runs), `abort`, long-polled `poll`s that return each
@@ -50,7 +50,6 @@ from raystate.messages import (
     Rejected,
     RequestUpdate,
     SamplingParams,
-    StepMessage,
     UpdateBatch,
     bytes_to_ids,
     decode_add_batch,
@@ -58,7 +57,7 @@ from raystate.messages import (
     encode,
 )
 from raystate.metrics import EngineMetrics
-from raystate.scheduler.router import choose_shard
+from raystate.scheduler.dispatch import IDLE_STEP, ActorDispatch, CompiledDispatch
 from raystate.scheduler.scheduler import Scheduler
 
 _HEALTH = "__health__"  # owner of the health-check requests
@@ -66,120 +65,6 @@ _MAX_FAILURES = 3  # consecutive failed steps of one shard before the engine giv
 # What status() counts: steps answered, idle probes, fault recoveries, workers Ray restarted, workers
 # replaced by a new actor, shards dropped.
 _COUNTS = ("steps", "probes", "recoveries", "restarts", "respawns", "drops")
-_IDLE_STEP = encode(StepMessage(step_id=0))  # what a shard with nothing to do gets (answer ignored)
-
-
-class _ActorScheduler(Scheduler):
-    """The Scheduler plus what the actor needs: routing pinned to a shard (health checks) and dropping a
-    shard whose worker cannot be brought back."""
-
-    def __init__(self, config: EngineConfig, num_shards: int) -> None:
-        super().__init__(config, num_shards)
-        self.pinned: dict[str, int] = {}
-        self.dropped: set[int] = set()
-
-    def live_shards(self) -> list[int]:
-        return [s for s in range(self.num_shards) if s not in self.dropped]
-
-    def _route(self, req) -> int:
-        pinned = self.pinned.pop(req.req_id, None)
-        if pinned is not None:
-            return pinned
-        live = self.live_shards()
-        if len(live) == 1:
-            return live[0]
-        saved = [shard.kv.plan(req).num_computed if shard.shard in live else 0 for shard in self.shards]
-        loads = [shard.load for shard in self.shards]
-        return choose_shard(saved, loads, self.load_penalty, candidates=live)
-
-    def drop_shard(self, shard: int) -> list[str]:
-        """Forgets the shard and routes its requests (re-sent in full) to the live ones."""
-        ids = self.reset_shard(shard)
-        self.dropped.add(shard)
-        gone = self.shards[shard]
-        moved = list(gone.waiting)
-        gone.waiting.clear()
-        for req in moved:
-            self.shards[self._route(req)].enqueue(req)
-        return ids
-
-
-class _CompiledDispatch:
-    """One compiled graph over every live shard's `execute`; all shards step together."""
-
-    lockstep = True
-
-    def __init__(self, workers: dict[int, object]) -> None:
-        from ray.dag import InputNode, MultiOutputNode
-
-        self.shards = sorted(workers)
-        with InputNode() as inp:
-            outs = [workers[s].execute.bind(inp[i]) for i, s in enumerate(self.shards)]
-            self.dag = MultiOutputNode(outs).experimental_compile()
-        self._ref = None
-
-    def submit(self, payloads: dict[int, bytes]) -> None:
-        self._ref = self.dag.execute(*[payloads.get(s, _IDLE_STEP) for s in self.shards])
-
-    def in_flight(self) -> bool:
-        return self._ref is not None
-
-    def collect(self, timeout_s: float) -> tuple[dict[int, bytes], dict[int, BaseException]]:
-        ref, self._ref = self._ref, None
-        try:
-            outs = ray.get(ref, timeout=timeout_s)
-        except Exception as e:  # a dead actor, a channel error or a timeout: every shard's answer is lost
-            return {}, {s: e for s in self.shards}
-        return dict(zip(self.shards, outs, strict=True)), {}
-
-    def close(self) -> None:
-        self._ref = None
-        with contextlib.suppress(Exception):  # an actor of the graph may be gone already
-            self.dag.teardown()
-
-
-class _ActorDispatch:
-    """Plain actor calls; each shard steps as soon as it answered its last message."""
-
-    lockstep = False
-
-    def __init__(self, workers: dict[int, object]) -> None:
-        self.workers = dict(workers)
-        self._refs: dict[int, tuple[object, float]] = {}  # shard -> (ref, deadline)
-
-    def submit(self, payloads: dict[int, bytes]) -> None:
-        for s, data in payloads.items():
-            self._refs[s] = (self.workers[s].execute.remote(data), 0.0)
-
-    def in_flight(self) -> bool:
-        return bool(self._refs)
-
-    def collect(self, timeout_s: float) -> tuple[dict[int, bytes], dict[int, BaseException]]:
-        now = time.monotonic()
-        for s, (ref, deadline) in self._refs.items():
-            if not deadline:
-                self._refs[s] = (ref, now + timeout_s)
-        by_ref = {ref: s for s, (ref, _) in self._refs.items()}
-        wait_s = max(0.0, min(d for _, d in self._refs.values()) - now)
-        ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=wait_s)
-        if ready:  # take every answer already there
-            ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
-        results, errors = {}, {}
-        for ref in ready:
-            s = by_ref[ref]
-            del self._refs[s]
-            try:
-                results[s] = ray.get(ref)
-            except Exception as e:
-                errors[s] = e
-        now = time.monotonic()
-        for s in [s for s, (_, deadline) in self._refs.items() if deadline <= now]:
-            del self._refs[s]
-            errors[s] = GetTimeoutError(f"shard {s}: no answer within the step timeout")
-        return results, errors
-
-    def close(self) -> None:
-        self._refs.clear()
 
 
 @dataclasses.dataclass
@@ -220,7 +105,7 @@ class SchedulerActor:
         self._spawn = spawn_worker
         self._workers: dict[int, object] = dict(enumerate(workers))
         self._incarnations: dict[int, str] = {}
-        self._sched = _ActorScheduler(config, len(workers))
+        self._sched = Scheduler(config, len(workers))
         self._lock = threading.Lock()  # guards _sched between the event loop and the step thread
         self._work = threading.Event()
         self._jobs: collections.deque = collections.deque()  # (fn, future) run by the step thread
@@ -318,10 +203,8 @@ class SchedulerActor:
         with self._lock:
             for s in self._sched.live_shards():
                 rid = f"{_HEALTH}-{next(self._ids)}-{s}"
-                self._sched.pinned[rid] = s
-                self._sched.add_request(
-                    rid, [self.config.model.bos_token_id], SamplingParams(max_tokens=1, ignore_eos=True)
-                )
+                one_token = SamplingParams(max_tokens=1, ignore_eos=True)
+                self._sched.add_request(rid, [self.config.model.bos_token_id], one_token, shard=s)
                 self._owner[rid] = _HEALTH
                 self._health[rid] = fut = self._loop.create_future()
                 futs.append(fut)
@@ -441,11 +324,11 @@ class SchedulerActor:
     def _build_dispatch(self) -> None:
         if self.dispatch_mode == "compiled":
             try:
-                self._dispatch = _CompiledDispatch(self._workers)
+                self._dispatch = CompiledDispatch(self._workers)
                 return
             except Exception as e:  # e.g. channels unsupported here: plain actor calls still work
                 self.dispatch_mode = f"actor (compiled graph failed: {e!r})"
-        self._dispatch = _ActorDispatch(self._workers)
+        self._dispatch = ActorDispatch(self._workers)
 
     def _loop_steps(self) -> None:
         sched, lock = self._sched, self._lock
@@ -528,7 +411,7 @@ class SchedulerActor:
         """An empty step through every shard: how an idle engine notices a dead worker."""
         self.counts["probes"] += 1
         try:
-            self._round_trip(dict.fromkeys(self._workers, _IDLE_STEP))
+            self._round_trip(dict.fromkeys(self._workers, IDLE_STEP))
         except Exception as e:
             self._recover(dict.fromkeys(self._workers, e), set())
 

@@ -57,13 +57,16 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._next_arrival = 0
         self._step_id = 0
+        self.dropped: set[int] = set()  # shards whose workers could not be brought back
         kv = self.shards[0].kv
         self._block_size = kv.block_size
         self._max_tokens_held = kv.max_tokens_held
 
     # -- intake ------------------------------------------------------------------------------------------
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+    def add_request(
+        self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams, shard: int | None = None
+    ) -> None:
         """Queues a request on the shard the router picks. Raises InvalidRequest (a ValueError naming the
         field and the limit) before changing anything, so no accepted request is affected."""
         model = self.config.model
@@ -104,16 +107,34 @@ class Scheduler:
         self._next_arrival += 1
         # Hash the prompt's full blocks once; admission, routing and registration reuse them.
         self.shards[0].kv.hash_blocks(req, n // self._block_size)
-        shard = self._route(req)
+        if shard is None:
+            shard = self._route(req)
+        elif shard not in self.live_shards():
+            raise InvalidRequest("shard", f"one of the live shards {self.live_shards()}", shard)
         self._requests[req_id] = req
         self.shards[shard].enqueue(req)
 
+    def live_shards(self) -> list[int]:
+        return [s for s in range(self.num_shards) if s not in self.dropped]
+
     def _route(self, req: Request) -> int:
-        if self.num_shards == 1:
-            return 0
-        saved = [shard.kv.plan(req).num_computed for shard in self.shards]
+        live = self.live_shards()
+        if len(live) == 1:
+            return live[0]
+        saved = [shard.kv.plan(req).num_computed if shard.shard in live else 0 for shard in self.shards]
         loads = [shard.load for shard in self.shards]
-        return choose_shard(saved, loads, self.load_penalty)
+        return choose_shard(saved, loads, self.load_penalty, candidates=live)
+
+    def drop_shard(self, shard: int) -> list[str]:
+        """The shard is gone for good: forget it and route its requests (re-sent in full) to live shards."""
+        ids = self.reset_shard(shard)
+        self.dropped.add(shard)
+        gone = self.shards[shard]
+        moved = list(gone.waiting)
+        gone.waiting.clear()
+        for req in moved:
+            self.shards[self._route(req)].enqueue(req)
+        return ids
 
     def abort(self, req_id: str) -> bool:
         """Drops an unfinished request (False if unknown or already finished). A running one's id goes
