@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """One entry point for a fresh machine: `python3 dev.py run` and `python3 dev.py test`.
 
-Both create (or refresh) the local virtual environment `.venv` first, so the README's two commands are
+`run` with no arguments starts the OpenAI-compatible server on the built-in tiny model (a local Ray on
+this machine's CPU); `run ARGS` runs `raystate ARGS`. Both create (or refresh) the local virtual
+environment `.venv` first, so the README's two commands are
 the whole set-up. On a machine without CUDA the CPU build of torch is installed (`torch==2.13.0`;
 a plain `torch` would pull a CUDA build of several GB).
 """
@@ -60,7 +62,7 @@ def main(argv: list[str]) -> int:
     ensure_venv()
     bin_dir = VENV / "bin"
     if argv[0] == "run":
-        args = argv[1:] or ["generate", "--model", "tiny", "--device", "cpu"]
+        args = argv[1:] or ["serve", "--model", "tiny"]
         return run([str(bin_dir / "raystate"), *args])
     env = dict(os.environ)
     if not _has_cuda():

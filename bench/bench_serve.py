@@ -157,17 +157,32 @@ def summarize(records: list[RequestRecord], start: float, max_tokens: int) -> di
     }
 
 
-def baseline(prompts: list[str], max_tokens: int, model: str, max_num_seqs: int) -> dict:
-    """The same prompts through plain LLM.generate (in-process, no server, no Ray)."""
+def baseline(prompts: list[str], max_tokens: int, args: argparse.Namespace) -> dict:
+    """The same prompts through plain LLM.generate on the same backend, without Serve or HTTP."""
     from raystate import LLM, SamplingParams
 
-    llm = LLM(model=model, max_num_seqs=max_num_seqs)
-    llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    elapsed = time.perf_counter() - t0
+    backend = "ray" if args.backend == "ray" else "inprocess"
+    llm = LLM(
+        model=args.model,
+        max_num_seqs=args.max_num_seqs,
+        backend=backend,
+        num_shards=args.num_shards,
+        address="local",
+    )
+    try:
+        llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        elapsed = time.perf_counter() - t0
+    finally:
+        llm.shutdown()
+        if backend == "ray":
+            import ray
+
+            ray.shutdown()
     tokens = sum(len(o.token_ids) for o in outs)
     return {
+        "backend": backend,
         "requests": len(outs),
         "elapsed_s": elapsed,
         "requests_per_s": len(outs) / elapsed,
@@ -228,7 +243,7 @@ def print_table(served: dict, base: dict | None, args: argparse.Namespace) -> No
             else 0
         )
         rows += [
-            ("LLM.generate, same prompts: requests/s", f"{base['requests_per_s']:.2f}"),
+            (f"LLM.generate ({base['backend']}), same prompts: requests/s", f"{base['requests_per_s']:.2f}"),
             ("LLM.generate output tokens/s", f"{base['output_tokens_per_s']:.1f}"),
             ("serving overhead (LLM.generate / served tokens/s)", f"{ratio:.2f}x"),
         ]
@@ -294,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     base = None
     if not args.no_baseline and served["completed"]:
         prompts = [r.prompt for r in records if r.error is None and not r.lost(args.max_tokens)]
-        base = baseline(prompts, args.max_tokens, args.model, args.max_num_seqs)
+        base = baseline(prompts, args.max_tokens, args)
     print_table(served, base, args)
     if args.json:
         figures = {"args": vars(args), "served": {k: v for k, v in served.items() if not k.startswith("_")}}

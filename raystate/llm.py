@@ -37,7 +37,7 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-def _model_config(model: str, max_model_len: int | None) -> tuple[ModelConfig, str | None]:
+def resolve_model_config(model: str, max_model_len: int | None) -> tuple[ModelConfig, str | None]:
     """A named config ("tiny", "bench") or a save_pretrained directory."""
     import os
 
@@ -80,7 +80,7 @@ class LLM:
         actors, on the Ray cluster at `address` (or a local one); `ray_options` are
         `raystate.launch.LaunchOptions` fields (dispatch, num_cpus_per_shard, ...). `backend="inprocess"`
         runs the scheduler and one worker in this process, for debugging."""
-        model_cfg, path = _model_config(model, max_model_len)
+        model_cfg, path = resolve_model_config(model, max_model_len)
         self.config = EngineConfig(
             model=model_cfg,
             cache=CacheConfig(

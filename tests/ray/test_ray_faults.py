@@ -56,10 +56,13 @@ def test_killed_worker_is_replaced_and_requests_finish_with_fault_free_tokens(cl
 def test_killed_scheduler_fails_pending_calls_within_30s(cluster):
     async def run():
         started = time.monotonic()
+        killed = False
         with pytest.raises(EngineDead):
             async for u in cluster.generate([1, 2, 3], greedy(400)):
-                if not u.finished:
+                if not killed and not u.finished:
+                    # Updates already in flight may still arrive: kill once.
                     ray.kill(ray.get_actor("scheduler", namespace="test-faults"))
+                    killed = True
         waited = time.monotonic() - started
         with pytest.raises(EngineDead):
             async for _ in cluster.generate([4, 5, 6], greedy(4)):

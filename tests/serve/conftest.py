@@ -1,0 +1,124 @@
+"""One Ray session and one Serve instance for every test of tests/serve (package scope), on loopback.
+
+Two apps share it: "open" (no API key) and "keyed" (an API key), each at its own route prefix on the same
+free port. Both run over the Ray backend, the keyed app connecting to the deployment the open app's
+replica started; the engine runs the kernels' PyTorch references (under Triton's CPU
+interpreter a step would take seconds), set in the environment before Ray starts so every Ray process
+inherits it. `reference` generates the same prompts through plain `LLM.generate` on the in-process
+engine: an oracle independent of Ray and Serve.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+API_KEY = "test-key-" + uuid.uuid4().hex
+BACKEND = "ray"
+MAX_MODEL_LEN = 2048
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class App:
+    url: str  # the app's root: {url}/v1/completions, {url}/health, ...
+    api_key: str | None
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def status(self) -> dict:
+        r = httpx.get(f"{self.url}/status", headers=self.headers(), timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def metrics(self) -> str:
+        r = httpx.get(f"{self.url}/metrics", headers=self.headers(), timeout=30)
+        r.raise_for_status()
+        return r.text
+
+
+@pytest.fixture(scope="package")
+def serve_port():
+    import ray
+    from ray import serve
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAYSTATE_KERNELS", "reference")
+        if ray.is_initialized():  # a session earlier tests left: ours must inherit the environment above
+            ray.shutdown()
+        ray.init(address="local", include_dashboard=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            yield port
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def _deploy(port: int, name: str, api_key: str | None) -> App:
+    from ray import serve
+
+    from raystate.serve.app import build_app
+
+    args = {"model": "tiny", "backend": BACKEND, "cluster_name": "raystate-serve-tests", "api_key": api_key}
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    return App(f"http://127.0.0.1:{port}/{name}", api_key)
+
+
+@pytest.fixture(scope="package")
+def open_app(serve_port) -> App:
+    return _deploy(serve_port, "open", None)
+
+
+@pytest.fixture(scope="package")
+def keyed_app(serve_port, open_app) -> App:
+    return _deploy(serve_port, "keyed", API_KEY)
+
+
+@pytest.fixture(scope="package")
+def reference(serve_port):
+    """fn(prompts, max_tokens, ignore_eos=False) -> [(token_ids, text, finish_reason)], greedy, through
+    plain LLM.generate."""
+    from raystate import LLM, SamplingParams
+
+    llm = LLM(model="tiny", max_model_len=MAX_MODEL_LEN, backend="inprocess")
+
+    def generate(
+        prompts: list[str], max_tokens: int, ignore_eos: bool = False
+    ) -> list[tuple[list[int], str, str]]:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RAYSTATE_KERNELS", "reference")
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.token_ids, o.text, o.finish_reason) for o in outs]
+
+    return generate
+
+
+def wait_idle(app: App, free_blocks, timeout_s: float = 20.0) -> dict:
+    """Polls /status until nothing runs or waits and the free blocks are back to `free_blocks`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = app.status()
+        idle = sum(status["num_running"]) == 0 and sum(status["num_waiting"]) == 0
+        if idle and status["num_free_blocks"] == free_blocks:
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"backend not idle after {timeout_s} s: {status}")
+        time.sleep(0.05)

@@ -1,0 +1,123 @@
+"""`raystate serve` in the foreground: a local Ray of its own, the URL printed, Ctrl-C stops it cleanly.
+
+The serve test runs before the shared Ray session of tests/serve starts (file order), as a user would:
+a subprocess. The bench test loads the session's app through --url.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import free_port
+
+KEY = "cli-test-key"
+
+
+def _reader(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def _wait_for(lines: queue.Queue, needle: str, timeout_s: float) -> list[str]:
+    seen, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if line is None:
+            break
+        seen.append(line)
+        if needle in line:
+            return seen
+    raise AssertionError(f"{needle!r} not printed in {timeout_s} s; output: {''.join(seen)}")
+
+
+def test_serve_prints_url_serves_and_stops_on_ctrl_c():
+    port = free_port()
+    env = {**os.environ, "RAYSTATE_KERNELS": "reference", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAYSTATE_API_KEY", None)
+    cmd = [sys.executable, "-m", "raystate", "serve", "--port", str(port), "--api-key", KEY, "--name", "cli"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+    try:
+        out = "".join(_wait_for(lines, "Ctrl-C", timeout_s=180))
+        url = f"http://127.0.0.1:{port}"
+        assert f"{url}/v1" in out
+        assert "curl" in out and "Authorization: Bearer" in out
+
+        body = {"model": "tiny", "prompt": "F1 cli", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 401
+        r = httpx.post(
+            f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+        status = subprocess.run(
+            [sys.executable, "-m", "raystate", "status", "--url", url, "--api-key", KEY],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        assert "backend: ray" in status.stdout and "shards: 1" in status.stdout
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+        rest = "".join(_wait_for(lines, "stopped", timeout_s=5))
+        assert "SIGINT" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with pytest.raises(httpx.TransportError):  # nothing listens any more
+        httpx.get(f"{url}/health", timeout=5)
+
+
+def test_status_reports_an_unreachable_server():
+    r = subprocess.run(
+        [sys.executable, "-m", "raystate", "status", "--url", f"http://127.0.0.1:{free_port()}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1 and "cannot read status" in r.stderr
+
+
+def test_bench_against_the_running_app(open_app, tmp_path):
+    """`raystate bench` on a server that runs already (--url): load, table, JSON and PNG."""
+    plot, figures = tmp_path / "bench.png", tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "raystate", "bench", "--url", open_app.url, "--backend", "local"]
+    cmd += [
+        "--clients",
+        "4",
+        "--duration",
+        "2",
+        "--max-tokens",
+        "4",
+        "--plot",
+        str(plot),
+        "--json",
+        str(figures),
+    ]
+    env = {**os.environ, "RAYSTATE_KERNELS": "reference"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "requests/s" in r.stdout and "serving overhead" in r.stdout
+    assert "load" in r.stderr  # the progress bar
+    data = json.loads(figures.read_text())
+    served = data["served"]
+    assert served["completed"] > 0 and served["failed"] == 0 and served["lost"] == 0
+    assert data["llm_generate"]["requests"] == served["completed"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
