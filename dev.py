@@ -36,9 +36,11 @@ def _deps_key() -> str:
 
 
 def ensure_venv() -> None:
-    if not PY.exists():
+    pip_check = [str(PY), "-m", "pip", "--version"]
+    has_pip = PY.exists() and subprocess.call(pip_check, stdout=subprocess.DEVNULL) == 0
+    if not has_pip:  # missing, or left half-made by an interrupted run
         print(f"[dev] creating {VENV}", flush=True)
-        subprocess.check_call([sys.executable, "-m", "venv", str(VENV)])
+        subprocess.check_call([sys.executable, "-m", "venv", "--clear", str(VENV)])
     if STAMP.exists() and STAMP.read_text() == _deps_key():
         return
     pip = [str(PY), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
