@@ -65,7 +65,11 @@ def main(argv: list[str]) -> int:
     bin_dir = VENV / "bin"
     if argv[0] == "run":
         args = argv[1:] or ["serve", "--model", "tiny"]
-        return run([str(bin_dir / "raystate"), *args])
+        cmd = [str(bin_dir / "raystate"), *args]
+        print("[dev] $ " + " ".join(cmd), flush=True)
+        # Replace this process, so Ctrl-C and SIGTERM reach the server itself and it shuts down cleanly.
+        os.chdir(ROOT)
+        os.execv(cmd[0], cmd)
     env = dict(os.environ)
     if not _has_cuda():
         # Triton kernels run through Triton's interpreter on the CPU.
