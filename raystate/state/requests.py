@@ -15,7 +15,7 @@ from raystate.messages import NewRequest, SamplingParams, bytes_to_ids
 
 
 class RequestStates:
-    def __init__(self, max_num_reqs: int, max_model_len: int, num_groups: int, device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.device = device

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from raystate.kernels import PAD_SLOT_ID
+from raystate.kernels import compute_slot_mappings
 
 
 class BlockTables:
@@ -62,24 +62,20 @@ class BlockTables:
         self._dirty.clear()
         idx = torch.tensor(rows, dtype=torch.long)
         src = torch.from_numpy(self.host[:, rows])  # int32 [G, n, M]
-        if self.device_tables.is_cuda:
-            self.device_tables[:, idx.to(self.device_tables.device)] = src.to(self.device_tables.device)
-        else:
-            self.device_tables[:, idx] = src
+        dev = self.device_tables.device
+        self.device_tables[:, idx.to(dev)] = src.to(dev)
 
     def slot_mappings(
         self,
-        token_slots: torch.Tensor,  # int64 [T]: state slot of each token
+        idx_mapping: torch.Tensor,  # int64 [B]: batch row -> state slot
+        query_start_loc: torch.Tensor,  # int32 [B + 1]
         positions: torch.Tensor,  # int64 [T]
-        out: torch.Tensor,  # int64 [G, >= T]
+        out: torch.Tensor,  # int64 [G, T]
     ) -> torch.Tensor:
-        """slot = block_table[g, slot, pos // block_size] * block_size + pos % block_size, on the device."""
-        num_tokens = positions.shape[0]
-        block_idx = positions // self.block_size
-        blocks = self.device_tables[:, token_slots, block_idx].long()  # [G, T]
-        out[:, :num_tokens] = blocks * self.block_size + positions % self.block_size
-        out[:, num_tokens:] = PAD_SLOT_ID
-        return out[:, :num_tokens]
+        """slot = block_table[g, slot, pos // block_size] * block_size + pos % block_size: one launch."""
+        tables = self.device_tables
+        compute_slot_mappings(tables, idx_mapping, query_start_loc, positions, self.block_size, out)
+        return out
 
     def batch_tables(self, idx_mapping: torch.Tensor) -> torch.Tensor:
         """int32 [G, B, M]: the batch rows' block tables."""

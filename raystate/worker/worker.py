@@ -56,7 +56,7 @@ class Worker:
         self.kv_caches = allocate_kv_caches(
             self.groups, self.model.config.num_layers, config.num_blocks, dtype, self.device
         )
-        self.states = RequestStates(max_reqs, max_len, len(self.groups), self.device)
+        self.states = RequestStates(max_reqs, max_len, self.device)
         self.block_tables = BlockTables(
             len(self.groups), max_reqs, -(-max_len // block_size), block_size, self.device
         )
@@ -107,7 +107,9 @@ class Worker:
         batch = InputBatch.build(states, rows, num_scheduled)
         lookback = self.model_state.prepare_inputs(batch, states)
         slot_buf = torch.empty((len(self.groups), batch.num_tokens), dtype=torch.int64, device=self.device)
-        slot_mappings = self.block_tables.slot_mappings(batch.token_slots, batch.positions, slot_buf)
+        slot_mappings = self.block_tables.slot_mappings(
+            batch.idx_mapping, batch.query_start_loc, batch.positions, slot_buf
+        )
         tables = self.block_tables.batch_tables(batch.idx_mapping)
         meta = self.model_state.prepare_attn(batch, states, tables, slot_mappings)
         if self._graph_step(batch, meta):
