@@ -181,19 +181,15 @@ def _engram_hash_kernel(
 def engram_hash(
     input_ids, query_start_loc, lookback, compress, multipliers, primes, offsets, pad_id: int, out=None
 ) -> torch.Tensor:
-    """Hashes every token of `input_ids`; tokens past qsl[B] (graph padding) get the all-pad bucket."""
-    if use_triton(input_ids):
-        return _engram_hash_triton(
+    """Hashes every token of `input_ids`; tokens past qsl[B] (graph padding) get the all-pad bucket.
+
+    Runs once per engram layer and step, so the Triton path reads each shape and stride once and builds
+    no tensor besides `out` when none is given.
+    """
+    if not use_triton(input_ids):
+        return engram_hash_ref(
             input_ids, query_start_loc, lookback, compress, multipliers, primes, offsets, pad_id, out
         )
-    return engram_hash_ref(
-        input_ids, query_start_loc, lookback, compress, multipliers, primes, offsets, pad_id, out
-    )
-
-
-def _engram_hash_triton(
-    input_ids, query_start_loc, lookback, compress, multipliers, primes, offsets, pad_id, out
-) -> torch.Tensor:
     n = multipliers.shape[0]
     heads = primes.shape[1] if primes.dim() == 2 else 0
     num_tokens = input_ids.shape[0] if out is None else min(input_ids.shape[0], out.shape[0])
@@ -201,26 +197,30 @@ def _engram_hash_triton(
         out = torch.empty(num_tokens, (n - 1) * heads, dtype=torch.int64, device=input_ids.device)
     if num_tokens == 0 or n < 2 or heads == 0:
         return out
-    assert out.stride(1) == 1 and primes.stride(1) == 1 and offsets.stride(0) == 1
-    assert lookback.shape[1] == 0 or lookback.stride(1) == 1
+    out_row_stride, out_col_stride = out.stride()
+    primes_row_stride, primes_col_stride = primes.stride()
+    lookback_row_stride, lookback_col_stride = lookback.stride()
+    depth = lookback.shape[1]
+    assert out_col_stride == 1 and primes_col_stride == 1 and offsets.stride()[0] == 1
+    assert depth == 0 or lookback_col_stride == 1
     num_rows = query_start_loc.shape[0] - 1
     block_t = min(128, next_pow2(num_tokens))
     _engram_hash_kernel[(cdiv(num_tokens, block_t),)](
         out,
-        out.stride(0),
+        out_row_stride,
         input_ids,
         query_start_loc,
         lookback,
-        lookback.stride(0),
+        lookback_row_stride,
         compress,
         multipliers,
         primes,
-        primes.stride(0),
+        primes_row_stride,
         offsets,
         num_tokens,
         num_rows,
-        max(num_rows, 0).bit_length(),
-        lookback.shape[1],
+        max(num_rows, 0).bit_length(),  # binary-search steps over the B + 1 row starts
+        depth,
         heads,
         pad_id,
         N=n,

@@ -95,6 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
             num_shards=args.num_shards,
             device=args.device,
             max_num_seqs=args.max_num_seqs,
+            kv_cache_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30),
             api_key=None if local else api_key,
             require_api_key=api_key is not None,
         )
@@ -213,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", choices=("ray", "local"), default="ray")
     s.add_argument("--device", default="cpu", help="cpu or cuda")
     s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="KV cache per shard in GiB, split across the attention groups (default: sized from "
+        "max-num-seqs and the model's max length)",
+    )
     s.add_argument("--name", default="raystate", help="the Serve application and backend cluster name")
     s.add_argument("--verbose", action="store_true", help="forward Ray's worker logs to this terminal")
     s.set_defaults(func=_serve)

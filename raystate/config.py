@@ -184,7 +184,11 @@ def replay_tokens(groups: tuple[KVCacheGroupSpec, ...]) -> int:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    num_blocks: int | None = None  # per group and shard; None: sized from max_num_seqs and max_model_len
+    num_blocks: int | None = None  # per group and shard, the same for every group
+    # Per shard: the KV cache's bytes, split across the groups by `plan_group_blocks` (window groups get
+    # their working set, the prefix-cacheable groups the rest). Neither set: sized from max_num_seqs and
+    # max_model_len, the same for every group.
+    kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     swa_bounded_replay: bool = True
 
@@ -197,6 +201,11 @@ class CacheConfig:
         )
         if self.num_blocks is not None:
             _check(self.num_blocks >= 2, "num_blocks", ">= 2 (one is the null block)", self.num_blocks)
+        if self.kv_cache_bytes is not None:
+            _check(
+                self.num_blocks is None, "kv_cache_bytes", "unset when num_blocks is set", self.kv_cache_bytes
+            )
+            _check(self.kv_cache_bytes > 0, "kv_cache_bytes", "> 0", self.kv_cache_bytes)
 
 
 @dataclass(frozen=True)
@@ -253,9 +262,81 @@ class EngineConfig:
         return kv_cache_group_specs(self.model, self.cache.block_size, self.cache.swa_bounded_replay)
 
     @property
-    def num_blocks(self) -> int:
-        """Blocks per group and shard (block 0 is the null block)."""
+    def kv_element_bytes(self) -> int:
+        """Bytes of one KV element: 2 for bf16/fp16 (what "auto" gives on CUDA), 4 for fp32."""
+        if self.dtype in ("bfloat16", "float16") or (self.dtype == "auto" and self.device != "cpu"):
+            return 2
+        return 4
+
+    @property
+    def group_num_blocks(self) -> tuple[int, ...]:
+        """Blocks per shard of each KV cache group, in `kv_groups` order (block 0 of each is null)."""
+        groups = self.kv_groups
         if self.cache.num_blocks is not None:
-            return self.cache.num_blocks
+            return (self.cache.num_blocks,) * len(groups)
+        if self.cache.kv_cache_bytes is not None:
+            return plan_group_blocks(
+                groups,
+                self.cache.kv_cache_bytes,
+                self.kv_element_bytes,
+                self.cache.enable_prefix_caching,
+                self.scheduler.max_num_seqs,
+                self.scheduler.max_num_batched_tokens,
+            )
         per_req = -(-self.max_model_len // self.cache.block_size)
-        return 1 + min(self.scheduler.max_num_seqs, 16) * per_req
+        return (1 + min(self.scheduler.max_num_seqs, 16) * per_req,) * len(groups)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per shard of the largest group (the prefix-cacheable one when pools differ)."""
+        return max(self.group_num_blocks)
+
+
+def kv_block_bytes(group: KVCacheGroupSpec, element_bytes: int) -> int:
+    """Bytes of one block of a group: keys and values of every layer of the group."""
+    return 2 * len(group.layer_ids) * group.block_size * group.num_kv_heads * group.head_dim * element_bytes
+
+
+def plan_group_blocks(
+    groups: tuple[KVCacheGroupSpec, ...],
+    budget_bytes: int,
+    element_bytes: int,
+    enable_prefix_caching: bool,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> tuple[int, ...]:
+    """Splits a KV byte budget into per-group block counts.
+
+    A window group that is not prefix-cached (sliding attention under bounded replay, or any sliding
+    group with caching off) only ever holds each running request's window plus its chunk: at most
+    max_num_seqs * (W / block_size + 2) blocks plus the step's tokens in blocks. It gets that and no more;
+    every other group gets the same number of blocks from the rest. So under bounded replay the budget
+    goes to the full-attention KV that the prefix cache keeps, and the same bytes hold W-window models'
+    cached prefixes several times over (4x for `bench`: 6 of its 24 layers are full attention). When the
+    window groups' need would leave the others fewer blocks than they get, all groups get an equal share.
+    """
+    per_block = [kv_block_bytes(g, element_bytes) for g in groups]
+    window = [
+        i for i, g in enumerate(groups) if g.is_sliding and not (enable_prefix_caching and g.prefix_cacheable)
+    ]
+    others = [i for i in range(len(groups)) if i not in window]
+    equal = budget_bytes // sum(per_block)
+    counts = [equal] * len(groups)
+    if window and others:
+        need = {
+            i: 1
+            + max_num_seqs * (-(-groups[i].sliding_window // groups[i].block_size) + 2)
+            + -(-max_num_batched_tokens // groups[i].block_size)
+            for i in window
+        }
+        rest = budget_bytes - sum(need[i] * per_block[i] for i in window)
+        shared = rest // sum(per_block[i] for i in others) if rest > 0 else 0
+        if shared > max(need.values()):
+            counts = [need.get(i, shared) for i in range(len(groups))]
+    if min(counts) < 2:
+        raise InvalidRequest(
+            "kv_cache_bytes",
+            f"at least {2 * sum(per_block)} (two blocks per group, one being the null block)",
+            budget_bytes,
+        )
+    return tuple(counts)

@@ -64,6 +64,7 @@ class LLM:
         swa_bounded_replay: bool = True,
         block_size: int = 16,
         num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         long_prefill_token_threshold: int = 0,
@@ -79,13 +80,16 @@ class LLM:
         """`backend="ray"` (the default) starts a deployment: a scheduler actor and `num_shards` worker
         actors, on the Ray cluster at `address` (or a local one); `ray_options` are
         `raystate.launch.LaunchOptions` fields (dispatch, num_cpus_per_shard, ...). `backend="inprocess"`
-        runs the scheduler and one worker in this process, for debugging."""
+        runs the scheduler and one worker in this process, for debugging. `num_blocks` gives every KV
+        cache group that many blocks per shard; `kv_cache_bytes` instead splits a per-shard byte budget
+        (see `raystate.config.plan_group_blocks`)."""
         model_cfg, path = resolve_model_config(model, max_model_len)
         self.config = EngineConfig(
             model=model_cfg,
             cache=CacheConfig(
                 block_size=block_size,
                 num_blocks=num_blocks,
+                kv_cache_bytes=kv_cache_bytes,
                 enable_prefix_caching=enable_prefix_caching,
                 swa_bounded_replay=swa_bounded_replay,
             ),

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from raystate.kernels import paged_attention, write_kv
+from raystate.kernels import paged_attention
+from raystate.kernels.rotary import rope_write_kv
 from raystate.model.layers import apply_rotary
 
 
@@ -36,10 +37,11 @@ class ForwardMetadata:
 
 
 class Attention(nn.Module):
-    """q/k/v projections, RoPE at absolute positions, paged KV store, one paged attention launch.
+    """One q/k/v projection, RoPE at absolute positions fused with the paged KV store, one paged attention
+    launch, the output projection.
 
     `project_qkv` is split out so the dense oracle (`raystate.model.reference`) runs the very same
-    projections and rotation and differs only in how keys are stored and read.
+    projection and rotation (in plain torch) and differs only in how keys are stored and read.
     """
 
     def __init__(
@@ -58,9 +60,7 @@ class Attention(nn.Module):
         self.rope_theta = rope_theta
         self.sliding_window = sliding_window  # 0 = full attention
         self.scale = head_dim**-0.5
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
 
     def project_qkv(
@@ -70,9 +70,8 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns q [T, H, head_dim], k and v [T, H_kv, head_dim]; q and k rotated."""
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         return apply_rotary(q, positions, self.rope_theta), apply_rotary(k, positions, self.rope_theta), v
 
     def forward(
@@ -82,15 +81,24 @@ class Attention(nn.Module):
         attn_metadata: ForwardMetadata,
         group: GroupMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, H_kv, head_dim]
+        cos_sin: torch.Tensor,  # fp32 [max_positions, head_dim]: `rotary_table` of this layer's theta
     ) -> torch.Tensor:  # [T, hidden]
         if group.sliding_window != self.sliding_window:
             raise ValueError(
                 f"sliding_window: the layer has {self.sliding_window}, "
                 f"its group metadata {group.sliding_window}"
             )
-        q, k, v = self.project_qkv(hidden, positions)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, group.slot_mapping)
+        q = rope_write_kv(
+            self.qkv_proj(hidden),
+            positions,
+            cos_sin,
+            self.num_heads,
+            self.num_kv_heads,
+            k_cache,
+            v_cache,
+            group.slot_mapping,
+        )  # [T, H, head_dim]
         out = paged_attention(
             q,
             k_cache,
@@ -101,5 +109,6 @@ class Attention(nn.Module):
             self.scale,
             sliding_window=group.sliding_window,
             kv_floor=group.kv_floor,
+            max_query_len=attn_metadata.max_query_len,  # picks the tile: decode-shaped when it is 1
         )  # [T, H, head_dim]
         return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))

@@ -9,7 +9,6 @@ weights.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +17,7 @@ from torch import nn
 
 from raystate.config import ModelConfig
 from raystate.kernels import engram_hash
+from raystate.kernels.engram_gate import engram_gate
 from raystate.model.layers import RMSNorm
 
 
@@ -175,11 +175,9 @@ class Engram(nn.Module):
         memory = self.table[rows].reshape(num_tokens, self.num_columns * self.head_dim)
         key = self.key_proj(memory)  # [T, hidden]
         value = self.value_proj(memory)
-        d = (self.hidden_norm(hidden).float() * self.key_norm(key).float()).sum(-1) / math.sqrt(
-            self.hidden_size
-        )  # fp32 [T]
-        gate = torch.sigmoid(torch.sign(d) * torch.sqrt(d.abs().clamp(min=1e-6)))
-        return hidden + gate.to(hidden.dtype)[:, None] * value
+        return engram_gate(
+            hidden, key, value, self.hidden_norm.weight, self.key_norm.weight, self.hidden_norm.eps
+        )
 
     def forward(
         self,

@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raystate.kernels.activation import silu_and_mul
+from raystate.kernels.norm import rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -18,9 +21,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)[0]
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(x + residual), x + residual), each [T, dim]
+        """The residual add before the norm, fused with it (one launch on the GPU)."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def apply_rotary(
@@ -46,17 +53,27 @@ def apply_rotary(
     return rotated.to(x.dtype)
 
 
+def rotary_table(head_dim: int, theta: float, max_positions: int, device: torch.device) -> torch.Tensor:
+    """fp32 [max_positions, head_dim]: cos of each position's angles, then sin, computed exactly as
+    `apply_rotary` computes them, so a kernel reading the table rotates by bitwise the same values."""
+    half = head_dim // 2
+    exponents = torch.arange(0, half, device=device, dtype=torch.float32) * (2.0 / head_dim)
+    inv_freq = theta ** (-exponents)  # fp32 [half]
+    positions = torch.arange(max_positions, device=device, dtype=torch.int64)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # fp32 [P, half]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
+
+
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)), with gate and up as one projection (one matmul, one fused gate)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class TokenEmbedding(nn.Module):

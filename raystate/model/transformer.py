@@ -14,7 +14,7 @@ from torch import nn
 from raystate.config import KVCacheGroupSpec, ModelConfig, kv_cache_group_specs
 from raystate.model.attention import Attention, ForwardMetadata
 from raystate.model.engram import Engram
-from raystate.model.layers import RMSNorm, SwiGLU, TokenEmbedding
+from raystate.model.layers import RMSNorm, SwiGLU, TokenEmbedding, rotary_table
 
 
 class DecoderLayer(nn.Module):
@@ -39,18 +39,30 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [T, hidden]: the residual stream
+        hidden: torch.Tensor,  # [T, hidden]: the last sublayer's output (the whole stream at layer 0)
+        residual: torch.Tensor | None,  # [T, hidden]: the stream before that output; None at layer 0
         input_ids: torch.Tensor,  # int [T]
         positions: torch.Tensor,  # int64 [T]
         lookback_token_ids: torch.Tensor,  # int32 [>= B, D]
         attn_metadata: ForwardMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:  # [T, hidden]
+        cos_sin: torch.Tensor,  # fp32 [max_positions, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, the stream before it), each [T, hidden]
+        """The residual stream is hidden + residual: each add is deferred into the next norm, which does
+        both in one launch. An engram layer needs the stream itself, so it adds first."""
         if self.engram is not None:
-            hidden = self.engram(hidden, input_ids, attn_metadata.query_start_loc, lookback_token_ids)
+            stream = hidden if residual is None else hidden + residual
+            hidden = self.engram(stream, input_ids, attn_metadata.query_start_loc, lookback_token_ids)
+            residual = None
+        if residual is None:
+            residual = hidden
+            normed = self.input_norm(hidden)
+        else:
+            normed, residual = self.input_norm.add_and_norm(hidden, residual)
         group = attn_metadata.groups[self.group_name]
-        hidden = hidden + self.attn(self.input_norm(hidden), positions, attn_metadata, group, kv_cache)
-        return hidden + self.mlp(self.post_attn_norm(hidden))
+        attn_out = self.attn(normed, positions, attn_metadata, group, kv_cache, cos_sin)
+        normed, residual = self.post_attn_norm.add_and_norm(attn_out, residual)
+        return self.mlp(normed), residual
 
 
 class TinyHybrid(nn.Module):
@@ -61,6 +73,16 @@ class TinyHybrid(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # fp32 cos/sin by position, built on first use on the model's device. Not a buffer: `.to(bf16)`
+        # would round it.
+        self._cos_sin: torch.Tensor | None = None
+
+    def cos_sin(self, device: torch.device) -> torch.Tensor:  # fp32 [max_model_len, head_dim]
+        table = self._cos_sin
+        if table is None or table.device != device:
+            cfg = self.config
+            table = self._cos_sin = rotary_table(cfg.head_dim, cfg.rope_theta, cfg.max_model_len, device)
+        return table
 
     @property
     def token_lookback_depth(self) -> int:
@@ -93,9 +115,13 @@ class TinyHybrid(nn.Module):
                 f"kv_caches: one (k, v) pair per layer ({len(self.layers)}), got {len(kv_caches)}"
             )
         hidden = self.embed(input_ids)
+        residual = None
+        cos_sin = self.cos_sin(hidden.device)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, input_ids, positions, lookback_token_ids, attn_metadata, kv_cache)
-        return self.final_norm(hidden)
+            hidden, residual = layer(
+                hidden, residual, input_ids, positions, lookback_token_ids, attn_metadata, kv_cache, cos_sin
+            )
+        return self.final_norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> fp32 [N, vocab]
         return self.lm_head(hidden).float()

@@ -14,6 +14,8 @@ A request's per-group block lists are index-aligned with its tokens; a released 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from raystate.config import KVCacheGroupSpec, replay_tokens
 from raystate.scheduler.block_pool import NULL_BLOCK, BlockPool
 from raystate.scheduler.prefix_cache import PrefixIndex, extend_block_hashes, longest_hit
@@ -27,7 +29,7 @@ class KVManager:
     def __init__(
         self,
         groups: tuple[KVCacheGroupSpec, ...],
-        num_blocks: int,
+        num_blocks: int | Sequence[int],  # per group (one int: the same for every group)
         enable_prefix_caching: bool = True,
     ) -> None:
         if not groups:
@@ -45,12 +47,22 @@ class KVManager:
             (i, g.sliding_window) for i, g in enumerate(groups) if g.is_sliding and i not in self.cacheable
         ]
         self.indices = [PrefixIndex() if i in self.cacheable else None for i in range(len(groups))]
-        self.pools = [BlockPool(num_blocks, index) for index in self.indices]
+        counts = [num_blocks] * len(groups) if isinstance(num_blocks, int) else list(num_blocks)
+        if len(counts) != len(groups):
+            raise ValueError(f"num_blocks: one count per group ({len(groups)}), got {len(counts)}")
+        self.pools = [BlockPool(n, index) for n, index in zip(counts, self.indices, strict=True)]
         self._cacheable_indices = [self.indices[i] for i in self.cacheable]
+        # hit_block_ids' memo of the last hit: its hashes, its block ids per cacheable group, and the
+        # sum of the indices' removal counts when it was found.
+        self._memo_hashes: list[bytes] = []
+        self._memo_ids: list[list[int]] = [[] for _ in self.cacheable]
+        self._memo_stamp = 0
         self._no_blocks = ((),) * len(groups)  # list(map(list, ...)) of it: one empty list per group
-        # The most tokens one request can hold blocks for (a full group keeps all of them; a prefill
-        # chunk needs window blocks for all of its tokens at once).
-        self.max_tokens_held = (num_blocks - 1) * self.block_size
+        # The most tokens one request can hold blocks for: what its smallest non-window pool holds (window
+        # groups hold only a window and a chunk; `EngineConfig.group_num_blocks` sizes them for that).
+        window_ids = {i for i, _ in self.window}
+        held = [n for i, n in enumerate(counts) if i not in window_ids] or counts
+        self.max_tokens_held = (min(held) - 1) * self.block_size
 
     # -- admission ---------------------------------------------------------------------------------------
 
@@ -73,34 +85,136 @@ class KVManager:
             return NO_HIT
         return plan_replay(self.lookup(req), req.num_tokens, self.block_size, self.replay_tokens)
 
+    def hit_block_ids(self, req: Request) -> list[list[int]]:
+        """Per cacheable group, the ids of the blocks `lookup` counts (every list has that length).
+
+        One pass per group over the hashes finds the hit and collects its blocks, so admission does not
+        look the hashes up a second time to share them. The last hit found is remembered: the leading
+        blocks a request has in common with it (equal chained hashes: the same whole prefix) come from
+        the memo and only the blocks after them are looked up, so a burst of prompts sharing a long
+        system prompt looks the shared blocks up once. The memo holds while no index entry is removed
+        (an entry, once in, keeps its block until then).
+        """
+        indices = self._cacheable_indices
+        if not indices:
+            return []
+        limit = max_hit_blocks(req.num_tokens, self.block_size)
+        self.hash_blocks(req, limit)
+        hashes = req.block_hashes
+        stamp = 0
+        for index in indices:
+            stamp += index.removals
+        start = 0  # leading blocks known from the memo
+        if stamp == self._memo_stamp:
+            memo = self._memo_hashes
+            hi = len(memo) if len(memo) < limit else limit
+            if hi and hashes[hi - 1] == memo[hi - 1]:
+                start = hi
+            elif hi > 1 and hashes[0] == memo[0]:
+                # Chained hashes agree up to where the prefixes part and differ after: bisect for it.
+                lo = 1  # hashes[lo - 1] == memo[lo - 1] and hashes[hi - 1] != memo[hi - 1]
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if hashes[mid - 1] == memo[mid - 1]:
+                        lo = mid
+                    else:
+                        hi = mid
+                start = lo
+        stop = limit  # the hit ends here or at the first block some group lacks
+        hit: list[list[int]] = []
+        known = self._memo_ids
+        for k, index in enumerate(indices):
+            ids = known[k][:start]
+            if stop > start:
+                get = index.blocks.get
+                for j in range(start, stop):
+                    if (block := get(hashes[j])) is None:
+                        break
+                    ids.append(block)
+                stop = len(ids)  # later groups need look no further than this one holds
+            hit.append(ids)
+        if len(hit) > 1:  # an earlier group may hold more than a later one: the hit is the common part
+            for ids in hit:
+                del ids[stop:]
+        if stop > start or stamp != self._memo_stamp:  # found blocks the memo did not know
+            self._memo_hashes = hashes[:stop]
+            self._memo_ids = [ids.copy() for ids in hit]
+            self._memo_stamp = stamp
+        return hit
+
     def admit(self, req: Request) -> ReplayPlan:
         """Starts req (num_computed == 0, no blocks): shares its hit blocks and sets num_computed,
         replay_start and num_cached_tokens. Blocks for its first chunk come from `allocate`."""
+        return self._admit(req, 0)[0]
+
+    def admit_chunk(self, req: Request, max_tokens: int) -> int:
+        """`admit(req)`, then `allocate(req, n)` for its first chunk, n = min(tokens to compute,
+        max_tokens), in one pass. Returns n, or 0 when some pool is short: then the admission is taken
+        back (`preempt`) and req holds nothing, exactly as admit + a failed allocate + preempt leave it.
+
+        The new blocks are not recorded in `req.new_block_ids`: a request admitted in this step goes
+        out as a NewRequest carrying its whole block lists.
+        """
+        return self._admit(req, max_tokens)[1]
+
+    def _admit(self, req: Request, max_tokens: int) -> tuple[ReplayPlan, int]:
+        """SPEC 3 steps 1-4 for req, then (max_tokens > 0) blocks for its first chunk: (plan, chunk).
+
+        Admission runs once per request but a burst admits many at once, so this is written flat:
+        no zip(strict=...) (it builds a kwargs dict per call) and no min() of two ints.
+        """
         if req.block_ids:
             raise RuntimeError(f"admit: request {req.req_id!r} already holds blocks")
-        plan = self.plan(req)
         bs = self.block_size
-        shared = plan.num_shared_blocks
-        hashes = req.block_hashes
-        block_ids: list[list[int]] = [[] for _ in self.groups]
-        for i in self.cacheable:
-            if shared:
-                ids = list(map(self.indices[i].blocks.__getitem__, hashes[:shared]))
-                self.pools[i].share(ids)
-                block_ids[i] = ids
-        num_null = plan.replay_start // bs
-        for i, _ in self.window:
-            block_ids[i] = [NULL_BLOCK] * num_null
+        pools = self.pools
+        block_ids: list[list[int]] = list(map(list, self._no_blocks))
+        plan = NO_HIT
+        if self._cacheable_indices:
+            hit = self.hit_block_ids(req)
+            plan = plan_replay(len(hit[0]), req.num_tokens, bs, self.replay_tokens)
+            if plan.num_shared_blocks:  # then every hit list has exactly that many blocks
+                for k, i in enumerate(self.cacheable):
+                    ids = hit[k]
+                    pools[i].share(ids)
+                    block_ids[i] = ids
+        num_computed, replay_start, num_shared, hit_tokens = plan
+        num_null = replay_start // bs  # window blocks wholly below the replay start
+        window = self.window
+        if num_null:
+            for i, _ in window:
+                block_ids[i] = [NULL_BLOCK] * num_null
+        n = 0
+        if max_tokens > 0:
+            n = req.num_tokens - num_computed
+            if n > max_tokens:
+                n = max_tokens
+            need = -(-(num_computed + n) // bs)  # blocks covering the first chunk, in every group
+            for i, pool in enumerate(pools):
+                if need - len(block_ids[i]) > pool.num_available:
+                    n = -1
+                    break
+            else:
+                for i, pool in enumerate(pools):
+                    ids = block_ids[i]
+                    if need > len(ids):
+                        ids += pool.allocate(need - len(ids))
+        capacity = _NEVER
+        for ids in block_ids:
+            if len(ids) < capacity:
+                capacity = len(ids)
         req.block_ids = block_ids
         req.new_block_ids = None
-        req.block_capacity = min(map(len, block_ids)) * bs
-        req.num_registered = shared
-        req.num_released = [num_null] * len(self.window)
-        req.num_computed = plan.num_computed
-        req.replay_start = plan.replay_start
-        req.num_cached_tokens = plan.hit_tokens
+        req.block_capacity = capacity * bs
+        req.num_registered = num_shared
+        req.num_released = [num_null] * len(window)
+        req.num_computed = num_computed
+        req.replay_start = replay_start
+        req.num_cached_tokens = hit_tokens
         self._set_check_at(req)
-        return plan
+        if n < 0:  # a pool is short: take the admission back
+            self.preempt(req)
+            n = 0
+        return plan, n
 
     # -- growth ------------------------------------------------------------------------------------------
 
@@ -115,19 +229,23 @@ class KVManager:
         need = -(-end // bs)
         block_ids = req.block_ids
         pools = self.pools
-        for pool, ids in zip(pools, block_ids, strict=True):
-            if need - len(ids) > pool.num_available:
+        for i, pool in enumerate(pools):  # not zip(strict=...): it builds a kwargs dict per call
+            if need - len(block_ids[i]) > pool.num_available:
                 return False
         new = req.new_block_ids
         if new is None:
             new = req.new_block_ids = list(map(list, self._no_blocks))
-        for pool, ids, new_ids in zip(pools, block_ids, new, strict=True):
+        capacity = _NEVER
+        for i, pool in enumerate(pools):
+            ids = block_ids[i]
             n = need - len(ids)
             if n > 0:
                 fresh = pool.allocate(n)
                 ids += fresh
-                new_ids += fresh
-        req.block_capacity = min(map(len, block_ids)) * bs
+                new[i] += fresh
+            if len(ids) < capacity:
+                capacity = len(ids)
+        req.block_capacity = capacity * bs
         return True
 
     def take_new_block_ids(self, req: Request) -> list[list[int]]:
@@ -179,12 +297,15 @@ class KVManager:
         """
         bs = self.block_size
         check_at = _NEVER
+        released = req.num_released
         for k, (_, window) in enumerate(self.window):
-            check_at = min(check_at, (req.num_released[k] + 1) * bs + window - 1)
+            release_at = (released[k] + 1) * bs + window - 1
+            if release_at < check_at:
+                check_at = release_at
         if self._cacheable_indices:
             register_at = (req.num_registered + 1) * bs
-            if not register_at <= check_at < register_at + bs:
-                check_at = min(check_at, register_at)
+            if check_at >= register_at + bs:  # else the release is due first, or soon enough after
+                check_at = register_at
         req.kv_check_at = check_at
 
     # -- release -----------------------------------------------------------------------------------------

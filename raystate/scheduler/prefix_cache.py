@@ -54,10 +54,13 @@ def extend_block_hashes(
 class PrefixIndex:
     """hash -> block id for one cacheable pool. Only a block whose tokens are computed is indexed."""
 
-    __slots__ = ("blocks",)
+    __slots__ = ("blocks", "removals")
 
     def __init__(self) -> None:
         self.blocks: dict[bytes, int] = {}
+        # Bumped whenever an entry goes (forget, clear): a hit found earlier is still valid while this
+        # is unchanged, since an entry, once in, keeps its block until it is removed.
+        self.removals = 0
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -79,9 +82,11 @@ class PrefixIndex:
         """Drops the entry if it still points at `block` (called when the pool evicts the block)."""
         if self.blocks.get(block_hash) == block:
             del self.blocks[block_hash]
+            self.removals += 1
 
     def clear(self) -> None:
         self.blocks.clear()
+        self.removals += 1
 
 
 def longest_hit(indices: Sequence[PrefixIndex], hashes: Sequence[bytes], max_blocks: int) -> int:

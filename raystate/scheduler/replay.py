@@ -38,11 +38,14 @@ def plan_replay(num_hit_blocks: int, num_tokens: int, block_size: int, replay_to
     """
     if num_tokens < 1:
         raise ValueError(f"num_tokens: must be >= 1, got {num_tokens}")
-    blocks = min(num_hit_blocks, max_hit_blocks(num_tokens, block_size))
+    blocks = max_hit_blocks(num_tokens, block_size)
+    if num_hit_blocks < blocks:
+        blocks = num_hit_blocks
     hit = blocks * block_size
     if hit <= 0 or hit <= replay_tokens:
         return NO_HIT
+    # Positional: a NamedTuple built from keywords costs a kwargs dict per admission.
     if replay_tokens > 0:
         start = hit - replay_tokens
-        return ReplayPlan(num_computed=start, replay_start=start, num_shared_blocks=blocks, hit_tokens=hit)
-    return ReplayPlan(num_computed=hit, replay_start=0, num_shared_blocks=blocks, hit_tokens=hit)
+        return ReplayPlan(start, start, blocks, hit)  # num_computed, replay_start, num_shared_blocks, hit
+    return ReplayPlan(hit, 0, blocks, hit)

@@ -31,7 +31,7 @@ _by_arrival = attrgetter("arrival")
 class ShardScheduler:
     def __init__(self, shard: int, config: EngineConfig) -> None:
         self.shard = shard
-        self.kv = KVManager(config.kv_groups, config.num_blocks, config.cache.enable_prefix_caching)
+        self.kv = KVManager(config.kv_groups, config.group_num_blocks, config.cache.enable_prefix_caching)
         sched = config.scheduler
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
@@ -136,38 +136,46 @@ class ShardScheduler:
 
     def _admit_waiting(self, budget: int) -> list[Request]:
         """Admits waiting requests in FCFS order while slots, tokens and blocks last."""
-        kv = self.kv
+        admit_chunk = self.kv.admit_chunk
         waiting = self.waiting
+        running = self.running
+        max_num_seqs = self.max_num_seqs
+        chunk_limit = self.chunk_limit
         admitted: list[Request] = []
-        while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        hit_tokens = replayed_tokens = 0
+        while waiting and budget > 0 and len(running) < max_num_seqs:
             req = waiting[0]
-            plan = kv.admit(req)
-            n = min(req.num_tokens - req.num_computed, budget, self.chunk_limit)
-            if not kv.allocate(req, n):
-                kv.preempt(req)  # takes the admission back
+            n = admit_chunk(req, budget if budget < chunk_limit else chunk_limit)
+            if not n:  # blocks are short: the admission was taken back
                 break
             waiting.popleft()
             req.status = _RUNNING
             req.num_scheduled = n
-            bisect.insort(self.running, req, key=_by_arrival)
+            if not running or running[-1].arrival < req.arrival:  # the usual case: the latest arrival
+                running.append(req)
+            else:  # re-admitted after preemption
+                bisect.insort(running, req, key=_by_arrival)
             admitted.append(req)
             budget -= n
-            self.prefix_hit_tokens += plan.hit_tokens
-            if plan.replay_start:
-                self.replayed_tokens += plan.hit_tokens - plan.replay_start
+            hit_tokens += req.num_cached_tokens
+            if req.replay_start:
+                replayed_tokens += req.num_cached_tokens - req.replay_start
+        self.prefix_hit_tokens += hit_tokens
+        self.replayed_tokens += replayed_tokens
         return admitted
 
     def _new_request(self, req: Request) -> NewRequest:
         req.new_block_ids = None  # the full lists below include them
+        # Positional: msgspec builds a Struct from positional arguments faster than from keywords.
         return NewRequest(
-            req_id=req.req_id,
-            token_ids=req.token_bytes(),
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_computed=req.num_computed,
-            replay_start=req.replay_start,
-            block_ids=[list(ids) for ids in req.block_ids],
-            num_scheduled=req.num_scheduled,
-            sampling=req.sampling,
+            req.req_id,
+            req.token_bytes(),  # token_ids
+            req.num_prompt_tokens,
+            req.num_computed,
+            req.replay_start,
+            [ids.copy() for ids in req.block_ids],  # copies: the request's lists keep changing
+            req.num_scheduled,
+            req.sampling,
         )
 
     def _preempt_for(self, req: Request, num_tokens: int, rows: list[Request]) -> bool:
@@ -298,9 +306,10 @@ class ShardScheduler:
                 for b in req.block_ids[g]:
                     if b:
                         held[b] += 1
+            ref_cnt = pool.ref_cnt  # a copy, built once
             for b in range(1, pool.num_blocks):
-                assert held[b] == pool.ref_cnt[b], (
-                    f"shard {self.shard} group {g} block {b}: {held[b]} holders, ref count {pool.ref_cnt[b]}"
+                assert held[b] == ref_cnt[b], (
+                    f"shard {self.shard} group {g} block {b}: {held[b]} holders, ref count {ref_cnt[b]}"
                 )
         for req in self.waiting:
             assert not req.block_ids, f"waiting request {req.req_id!r} holds blocks"

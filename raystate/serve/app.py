@@ -49,6 +49,7 @@ class AppArgs(BaseModel):
     cuda_graphs: bool = True
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int | None = None
+    kv_cache_bytes: int | None = Field(None, ge=1)  # per shard; None: sized from max_num_seqs
     enable_prefix_caching: bool = True
     swa_bounded_replay: bool = True
     seed: int = 0
@@ -66,7 +67,9 @@ class AppArgs(BaseModel):
         return EngineConfig(
             model=model,
             cache=CacheConfig(
-                enable_prefix_caching=self.enable_prefix_caching, swa_bounded_replay=self.swa_bounded_replay
+                kv_cache_bytes=self.kv_cache_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
+                swa_bounded_replay=self.swa_bounded_replay,
             ),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs),
             device=self.device,

@@ -4,6 +4,9 @@ The token history `all_token_ids[R, L]` lives on the device: prompt plus every g
 when a request arrives and appended by the sampler on the device. The engram lookback is gathered from
 it every step, so it never depends on where earlier KV came from. Host mirrors hold what the host needs
 to plan a step (lengths, chunk starts) without reading the device.
+
+The device tensors have one extra row, `scratch_slot` = max_num_reqs, never given to a request: the
+padding rows of a captured decode graph point at it, so they read and write nothing a request owns.
 """
 
 from __future__ import annotations
@@ -19,10 +22,14 @@ class RequestStates:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.device = device
-        # Token history: prompt + generated ids; -1 past the end.
-        self.all_token_ids = torch.full((max_num_reqs, max_model_len), -1, dtype=torch.int32, device=device)
+        self.scratch_slot = max_num_reqs
+        # Token history: prompt + generated ids; -1 past the end. The scratch row holds 0s (a valid id).
+        self.all_token_ids = torch.full(
+            (max_num_reqs + 1, max_model_len), -1, dtype=torch.int32, device=device
+        )  # int32 [R + 1, L]
+        self.all_token_ids[self.scratch_slot].zero_()
         # Chunk start of each slot (tokens whose KV is computed), on the device for gather_lookback.
-        self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self.num_computed_tokens = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
         # Host mirrors.
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # history length
@@ -77,6 +84,6 @@ class RequestStates:
 
     def sync_num_computed(self) -> None:
         """Copies the host chunk starts to the device (one copy, no sync)."""
-        self.num_computed_tokens.copy_(
+        self.num_computed_tokens[: self.max_num_reqs].copy_(
             torch.from_numpy(self.num_computed.astype(np.int32)), non_blocking=True
         )

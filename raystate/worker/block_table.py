@@ -27,9 +27,10 @@ class BlockTables:
         self.max_blocks = max_blocks_per_req
         self.host = np.zeros((num_groups, max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros((num_groups, max_num_reqs), dtype=np.int64)
+        # One more row than state slots: the scratch slot of graph padding rows (all null blocks).
         self.device_tables = torch.zeros(
-            (num_groups, max_num_reqs, max_blocks_per_req), dtype=torch.int32, device=device
-        )  # int32 [G, R, M]
+            (num_groups, max_num_reqs + 1, max_blocks_per_req), dtype=torch.int32, device=device
+        )  # int32 [G, R + 1, M]
         self._dirty: set[int] = set()
 
     def set_row(self, slot: int, block_ids: list[list[int]]) -> None:

@@ -1,20 +1,30 @@
-"""CUDA graphs for decode-only steps, captured once per padded batch size (1, 2, 4, ... max_num_seqs).
+"""CUDA graphs for decode-only steps: the whole step on the device is one graph replay.
 
-A decode step launches dozens of small kernels per layer; replaying a captured graph removes the launch
-gaps. Only persistent buffers cross the graph boundary: each step copies its rows into the first B rows
-of the input buffers, and the rows from B to the captured size are padding (no query tokens, slot -1 so
-no KV is written, lookback -1). The lookback and replay-start buffers are the model state's own
-persistent tensors, so captured graphs keep reading the same addresses. Decode rows always run with
-replay start 0 and full window reads, so the graph needs no key floor.
+A decode step of the bench model launches hundreds of small kernels; eagerly, the host cannot issue them
+as fast as the GPU runs them, and even the host-side input preparation (a dozen small copies, gathers and
+casts) costs more than the forward's launches once those are replayed. So each graph, captured once per
+padded batch size (1, 2, 4, ... max_num_seqs), holds the step's device work from its host inputs on:
+
+    staged row data (one pinned host -> device copy per step: state slot, position, seq len, query start)
+    -> chunk starts scattered into the token-state's device copy -> input ids gathered from the token
+    history -> engram lookback (`gather_lookback`) -> slot mappings (`compute_slot_mappings`) -> block
+    tables gathered per row -> forward -> logits -> greedy argmax -> the argmax appended to the history.
+
+The host's share per step is filling the staging buffer, one copy, one replay, one copy of the sampled
+ids back. Rows past the batch size are padding: they point at the token state's scratch slot (never a
+request's), have no query tokens and a zero sequence length, so they write no KV and no request's
+history. A batch with any non-greedy row samples from the graph's logits on the host side afterwards and
+overwrites the appended argmax. The lookback and replay-start buffers are the model state's persistent
+tensors, so graphs read the same addresses every replay; decode rows have no replay floor.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from raystate.kernels import PAD_SLOT_ID
+from raystate.kernels import compute_slot_mappings, gather_lookback
 from raystate.model.attention import ForwardMetadata, GroupMetadata
-from raystate.state.input_batch import InputBatch
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -32,68 +42,94 @@ class DecodeGraphs:
         self.worker = worker
         w = worker
         self.sizes = capture_sizes(w.config.scheduler.max_num_seqs)
-        max_b = self.sizes[-1]
+        max_b = self.max_b = self.sizes[-1]
         dev = w.device
-        num_groups = len(w.groups)
-        max_blocks = w.block_tables.max_blocks
-        self.input_ids = torch.zeros(max_b, dtype=torch.int32, device=dev)  # int32 [Bmax]
-        self.positions = torch.zeros(max_b, dtype=torch.int64, device=dev)  # int64 [Bmax]
-        self.slot_mappings = torch.full((num_groups, max_b), PAD_SLOT_ID, dtype=torch.int64, device=dev)
-        self.block_tables = torch.zeros((num_groups, max_b, max_blocks), dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.zeros(max_b + 1, dtype=torch.int32, device=dev)  # int32 [Bmax + 1]
-        self.seq_lens = torch.zeros(max_b, dtype=torch.int32, device=dev)  # int32 [Bmax]
+        # Staging (int64): slots [Bmax] | positions [Bmax] | seq_lens [Bmax] | query_start_loc [Bmax + 1],
+        # in pinned memory on CUDA so its copy is asynchronous.
+        pin = dev.type == "cuda"
+        n = 4 * max_b + 1
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)  # int64 [4 Bmax + 1]
+        self.host_np = self.host.numpy()
+        self.staged = torch.zeros(n, dtype=torch.int64, device=dev)  # int64 [4 Bmax + 1]
+        self.slot_mappings = torch.empty((len(w.groups), max_b), dtype=torch.int64, device=dev)  # [G, Bmax]
         self.logits = torch.zeros((max_b, w.model.config.vocab_size), dtype=torch.float32, device=dev)
+        self.sampled = torch.zeros(max_b, dtype=torch.int64, device=dev)  # greedy ids [Bmax]
+        self.sampled_host = torch.zeros(max_b, dtype=torch.int64, pin_memory=pin)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.num_replays = 0
+        self.num_eager_steps = 0  # steps of sizes not captured (CPU tests)
 
-    def _metadata(self, size: int) -> ForwardMetadata:
+    # -- the captured step ----------------------------------------------------------------------------
+
+    def _views(self, size: int) -> tuple[torch.Tensor, ...]:
+        m, st = self.max_b, self.staged
+        return st[:size], st[m : m + size], st[2 * m : 2 * m + size], st[3 * m : 3 * m + size + 1]
+
+    def _step(self, size: int) -> None:
+        """Everything a decode step does on the device, for `size` rows (captured, then replayed)."""
+        w = self.worker
+        states = w.states
+        slots, positions, seq_lens, qsl = self._views(size)  # int64 [size] x3, [size + 1]
+        qsl32 = qsl.to(torch.int32)
+        # A decode row's chunk starts at its position: keep the device copy of chunk starts exact.
+        states.num_computed_tokens[slots] = positions.to(torch.int32)
+        input_ids = states.all_token_ids[slots, positions]  # int32 [size]
+        lookback = w.model_state.lookback
+        gather_lookback(lookback, slots, states.num_computed_tokens, states.all_token_ids, size)
+        slot_mappings = self.slot_mappings[:, :size]
+        compute_slot_mappings(
+            w.block_tables.device_tables, slots, qsl32, positions, w.block_tables.block_size, slot_mappings
+        )
+        tables = w.block_tables.device_tables[:, slots]  # int32 [G, size, M]
         groups = {
             spec.name: GroupMetadata(
-                block_table=self.block_tables[g, :size],
-                slot_mapping=self.slot_mappings[g, :size],
+                block_table=tables[g],
+                slot_mapping=slot_mappings[g],
                 sliding_window=spec.sliding_window,
                 kv_floor=None,
             )
-            for g, spec in enumerate(self.worker.groups)
+            for g, spec in enumerate(w.groups)
         }
-        return ForwardMetadata(
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            groups=groups,
-            max_query_len=1,
+        meta = ForwardMetadata(
+            query_start_loc=qsl32, seq_lens=seq_lens.to(torch.int32), groups=groups, max_query_len=1
         )
+        hidden = w.model(input_ids, positions, lookback, meta, w.kv_caches)
+        logits = self.logits[:size]
+        logits.copy_(w.model.compute_logits(hidden))
+        sampled = self.sampled[:size]
+        torch.argmax(logits, dim=-1, out=sampled)
+        # Padding rows append to the scratch slot's history, which no request reads.
+        states.all_token_ids[slots, positions + 1] = sampled.to(torch.int32)
 
-    def _forward(self, size: int) -> None:
-        w = self.worker
-        lookback = w.model_state.lookback
-        hidden = w.model(
-            self.input_ids[:size], self.positions[:size], lookback, self._metadata(size), w.kv_caches
-        )
-        self.logits[:size] = w.model.compute_logits(hidden)
+    def _stage_padding(self) -> None:
+        """Every row padding: what capture runs on (nothing a request owns is read or written)."""
+        m, h = self.max_b, self.host_np
+        h[:m] = self.worker.states.scratch_slot
+        h[m:] = 0
+        self.staged.copy_(self.host)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every size on dummy inputs: all padding, so nothing is read or written in the cache."""
         w = self.worker
         w.model_state.prepare_dummy_inputs(w.model_state.max_num_reqs)
-        self.query_start_loc.zero_()
-        self.seq_lens.zero_()
-        self.slot_mappings.fill_(PAD_SLOT_ID)
+        self._stage_padding()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):
-                self._forward(size)  # warm-up: Triton compiles outside the capture
+                self._step(size)  # warm-up: Triton compiles outside the capture
         torch.cuda.current_stream().wait_stream(stream)
         for size in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self._forward(size)
+                self._step(size)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
+
+    # -- a step ---------------------------------------------------------------------------------------
 
     def size_for(self, num_reqs: int) -> int | None:
         for s in self.sizes:
@@ -101,24 +137,44 @@ class DecodeGraphs:
                 return s
         return None
 
-    def run(
+    def replay(
         self,
-        batch: InputBatch,
-        tables: torch.Tensor,  # int32 [G, B, M]
-        slot_mappings: torch.Tensor,  # int64 [G, B]
-    ) -> torch.Tensor:  # fp32 [B, V]
-        """Copies this decode step into the persistent buffers and replays the graph of the next size up."""
-        b = batch.num_reqs
+        slots: np.ndarray,  # int64 [B]: state slots of the batch rows
+        positions: np.ndarray,  # int64 [B]: each row's one query position (= its chunk start)
+    ) -> int:
+        """Stages the rows (one copy) and replays the graph of the next captured size up; returns that size.
+        Before `capture` (or on the CPU) the same step runs eagerly instead.
+
+        The sampled greedy ids are then in `sampled[:B]` and appended to the history; logits in
+        `logits[:B]`. Nothing here waits for the device.
+        """
+        b = slots.shape[0]
         size = self.size_for(b)
-        self.input_ids[:b] = batch.input_ids
-        self.positions[:b] = batch.positions
-        self.slot_mappings[:, :b] = slot_mappings
-        self.slot_mappings[:, b:size] = PAD_SLOT_ID
-        self.block_tables[:, :b] = tables
-        self.query_start_loc[: b + 1] = batch.query_start_loc
-        self.query_start_loc[b + 1 : size + 1] = b  # padding rows: no query tokens
-        self.seq_lens[:b] = batch.seq_lens
-        self.seq_lens[b:size] = 0
-        self.graphs[size].replay()
-        self.num_replays += 1
-        return self.logits[:b]
+        m, h = self.max_b, self.host_np
+        h[:b] = slots
+        h[b:size] = self.worker.states.scratch_slot
+        h[m : m + b] = positions
+        h[m + b : m + size] = 0
+        h[2 * m : 2 * m + b] = positions + 1
+        h[2 * m + b : 2 * m + size] = 0
+        qsl = h[3 * m : 3 * m + size + 1]
+        qsl[: b + 1] = np.arange(b + 1)
+        qsl[b + 1 :] = b  # padding rows: no query tokens
+        self.staged.copy_(self.host, non_blocking=True)
+        graph = self.graphs.get(size)
+        if graph is not None:
+            graph.replay()
+            self.num_replays += 1
+        else:  # not captured (CPU tests of this path): the same step, run eagerly
+            self._step(size)
+            self.num_eager_steps += 1
+        return size
+
+    def fetch_sampled(self, sampled: torch.Tensor) -> np.ndarray:  # int64 [B] on the device -> host
+        """Copies the step's sampled ids to pinned host memory and waits for them (the step's one sync)."""
+        b = sampled.shape[0]
+        out = self.sampled_host[:b]
+        out.copy_(sampled, non_blocking=True)
+        if sampled.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        return out.numpy().copy()

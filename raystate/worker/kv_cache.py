@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from raystate.config import KVCacheGroupSpec
+from raystate.config import KVCacheGroupSpec, kv_block_bytes
 
 
 def allocate_kv_caches(
     groups: tuple[KVCacheGroupSpec, ...],
     num_layers: int,
-    num_blocks: int,
+    num_blocks: tuple[int, ...],  # per group
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer: k and v, each [num_blocks, block_size, H_kv, head_dim]; block 0 is the null block."""
+    """Per layer: k and v, each [num_blocks of its group, block_size, H_kv, head_dim]; block 0 is null."""
     caches: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
-    for g in groups:
-        shape = (num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
+    for g, n in zip(groups, num_blocks, strict=True):
+        shape = (n, g.block_size, g.num_kv_heads, g.head_dim)
         for layer in g.layer_ids:
             caches[layer] = (
                 torch.zeros(shape, dtype=dtype, device=device),
@@ -29,6 +29,8 @@ def allocate_kv_caches(
     return caches  # type: ignore[return-value]
 
 
-def kv_cache_bytes(groups: tuple[KVCacheGroupSpec, ...], num_blocks: int, dtype: torch.dtype) -> int:
-    per_block = sum(2 * len(g.layer_ids) * g.block_size * g.num_kv_heads * g.head_dim for g in groups)
-    return per_block * num_blocks * torch.empty((), dtype=dtype).element_size()
+def kv_cache_bytes(
+    groups: tuple[KVCacheGroupSpec, ...], num_blocks: tuple[int, ...], dtype: torch.dtype
+) -> int:
+    elt = torch.empty((), dtype=dtype).element_size()
+    return sum(kv_block_bytes(g, elt) * n for g, n in zip(groups, num_blocks, strict=True))

@@ -54,7 +54,7 @@ class Worker:
         max_len = config.max_model_len
         block_size = config.cache.block_size
         self.kv_caches = allocate_kv_caches(
-            self.groups, self.model.config.num_layers, config.num_blocks, dtype, self.device
+            self.groups, self.model.config.num_layers, config.group_num_blocks, dtype, self.device
         )
         self.states = RequestStates(max_reqs, max_len, self.device)
         self.block_tables = BlockTables(
@@ -65,6 +65,11 @@ class Worker:
         )
         self.sampler = Sampler(self.device, config.seed)
         self.logit_recorder: LogitRecorder | None = None
+        # Profile mode (set through InProcessEngine.profile): execute() records last_phases, the ns of its
+        # prepare / forward / sample phases, syncing a CUDA device at each boundary so GPU work lands in
+        # the phase that queued it. Off: no syncs, one `if` per phase boundary.
+        self.profile = False
+        self.last_phases: tuple[int, int, int] = (0, 0, 0)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self)
@@ -97,12 +102,18 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, msg: StepMessage) -> StepResult:
-        t0 = time.perf_counter_ns()
+        t0 = self._phase_mark() if self.profile else time.perf_counter_ns()
         rows, num_scheduled = self._apply(msg)
         if not rows:
+            if self.profile:
+                self.last_phases = (self._phase_mark() - t0, 0, 0)
             return StepResult(step_id=msg.step_id, req_ids=[], sampled=b"", execute_ns=0)
         states = self.states
         self.block_tables.commit()
+        if self.graphs is not None and self.logit_recorder is None:
+            slots = self._graph_decode_rows(rows, num_scheduled)
+            if slots is not None:
+                return self._graph_decode(msg.step_id, rows, slots, t0)
         states.sync_num_computed()
         batch = InputBatch.build(states, rows, num_scheduled)
         lookback = self.model_state.prepare_inputs(batch, states)
@@ -112,15 +123,19 @@ class Worker:
         )
         tables = self.block_tables.batch_tables(batch.idx_mapping)
         meta = self.model_state.prepare_attn(batch, states, tables, slot_mappings)
-        if self._graph_step(batch, meta):
-            logits = self.graphs.run(batch, tables, slot_mappings)
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, lookback, meta, self.kv_caches)
-            if self.logit_recorder is not None:
-                self._record_logits(batch, hidden)
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if self.profile:
+            t_prepared = self._phase_mark()
+        hidden = self.model(batch.input_ids, batch.positions, lookback, meta, self.kv_caches)
+        if self.logit_recorder is not None:
+            self._record_logits(batch, hidden)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if self.profile:
+            t_forward = self._phase_mark()
         sampled = self._sample(batch, logits)
         states.num_computed[batch.idx_mapping_np] += batch.num_scheduled_np
+        if self.profile:
+            t_sampled = self._phase_mark()
+            self.last_phases = (t_prepared - t0, t_forward - t_prepared, t_sampled - t_forward)
         return StepResult(
             step_id=msg.step_id,
             req_ids=rows,
@@ -128,15 +143,66 @@ class Worker:
             execute_ns=time.perf_counter_ns() - t0,
         )
 
-    def _graph_step(self, batch: InputBatch, meta) -> bool:
-        """Decode-only steps (one token per row, no replay floor) that fit a captured size replay a graph."""
-        return (
-            self.graphs is not None
-            and self.logit_recorder is None
-            and batch.max_query_len == 1
-            and all(g.kv_floor is None for g in meta.groups.values())
-            and self.graphs.size_for(batch.num_reqs) is not None
+    # -- decode steps through a captured graph --------------------------------------------------------
+
+    def _graph_decode_rows(self, rows: list[str], num_scheduled: list[int]) -> np.ndarray | None:
+        """The rows' state slots when the step can replay a graph: every row one decode token that reaches
+        the end of its history (so it samples), past its prefill (no replay floor), within a captured
+        size and below max_model_len. None otherwise (the eager path then runs it, or raises)."""
+        b = len(rows)
+        if sum(num_scheduled) != b or self.graphs.size_for(b) is None:
+            return None
+        states = self.states
+        slot_of = states.slot_of
+        slots = np.fromiter((slot_of[r] for r in rows), dtype=np.int64, count=b)
+        starts = states.num_computed[slots]
+        if (
+            np.any(starts + 1 != states.num_tokens[slots])
+            or np.any(starts < states.prefill_len[slots])
+            or np.any(starts + 1 >= states.max_model_len)
+        ):
+            return None
+        return slots
+
+    def _graph_decode(self, step_id: int, rows: list[str], slots: np.ndarray, t0: int) -> StepResult:
+        states = self.states
+        graphs = self.graphs
+        b = slots.shape[0]
+        positions = states.num_computed[slots]
+        if self.profile:
+            t_prepared = self._phase_mark()
+        graphs.replay(slots, positions)
+        if self.profile:
+            t_forward = self._phase_mark()
+        params = [states.sampling[s] for s in slots]
+        if all(p.temperature == 0.0 for p in params):
+            sampled = graphs.sampled[:b]
+        else:  # sample on the host side from the graph's logits; overwrite the appended argmax
+            out_pos = (states.num_tokens[slots] - states.num_prompt_tokens[slots]).tolist()
+            sampled = self.sampler(graphs.logits[:b], params, out_pos)
+            dev = self.device
+            states.all_token_ids[torch.from_numpy(slots).to(dev), torch.from_numpy(positions + 1).to(dev)] = (
+                sampled.to(torch.int32)
+            )
+        host = graphs.fetch_sampled(sampled)
+        states.num_tokens[slots] += 1
+        states.num_computed[slots] += 1
+        if self.profile:
+            t_sampled = self._phase_mark()
+            self.last_phases = (t_prepared - t0, t_forward - t_prepared, t_sampled - t_forward)
+        return StepResult(
+            step_id=step_id,
+            req_ids=rows,
+            sampled=ids_to_bytes(host.tolist()),
+            execute_ns=time.perf_counter_ns() - t0,
         )
+
+    def _phase_mark(self) -> int:
+        """Profile mode's clock: waits for the device's queued work first, so it is charged to the phase
+        that queued it rather than to the next one that blocks on it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter_ns()
 
     def _sample(self, batch: InputBatch, logits: torch.Tensor) -> np.ndarray:
         """Samples every row, keeps the rows whose chunk reached the end of the history, appends them."""

@@ -23,7 +23,13 @@ def test_graph_replay_equals_eager(dtype):
     prefix = rng.integers(0, 256, 80).tolist()
     # 11 requests: the decode batches are padded to the captured sizes 16 and smaller.
     prompts = [prefix[: 40 + 3 * i] + rng.integers(0, 256, 5 + i).tolist() for i in range(11)]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    # Greedy rows sample inside the graph; every third row samples on the host from the graph's logits.
+    params = [
+        SamplingParams(max_tokens=24 - i, ignore_eos=True)
+        if i % 3
+        else SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+        for i in range(11)
+    ]
     outs = {}
     for graphs in (True, False):
         llm = LLM(

@@ -1,0 +1,197 @@
+"""Rotary embedding of q and k straight from the fused qkv projection, and the paged KV store, in one launch.
+
+Per token: rotate each query head (written to a contiguous q), rotate each key head and store it with the
+value at the token's slot in the paged caches (negative slot: no store, as in `write_kv`). The cos/sin of
+each position come from a table built once by the model with the same fp32 formula as
+`raystate.model.layers.apply_rotary`, so kernel and reference rotate by bitwise the same angles.
+Replaces about twenty torch launches per layer (split, angles, cos, sin, two rotations, cat, casts, store).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from raystate.kernels._common import next_pow2, use_triton
+from raystate.kernels.kv_write import write_kv_ref
+
+
+def _rotate_ref(
+    x: torch.Tensor,  # [T, H, D]
+    cos: torch.Tensor,  # fp32 [T, D/2]
+    sin: torch.Tensor,  # fp32 [T, D/2]
+) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    x1, x2 = x32[..., :half], x32[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def rope_write_kv_ref(
+    qkv: torch.Tensor,  # [T, (H + 2 H_kv) * D]: q heads, then k heads, then v heads
+    positions: torch.Tensor,  # int64 [T]
+    cos_sin: torch.Tensor,  # fp32 [max_pos, D]: cos in the first half, sin in the second
+    num_heads: int,
+    num_kv_heads: int,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # int64 [>= T]
+) -> torch.Tensor:  # q [T, H, D], rotated
+    num_tokens = qkv.shape[0]
+    head_dim = cos_sin.shape[1]
+    half = head_dim // 2
+    q, k, v = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, head_dim).split(
+        [num_heads, num_kv_heads, num_kv_heads], dim=1
+    )
+    table = cos_sin[positions]  # fp32 [T, D]
+    cos, sin = table[:, :half], table[:, half:]
+    k = _rotate_ref(k, cos, sin)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return _rotate_ref(q, cos, sin)
+
+
+@triton.jit
+def _rotate_heads(src, dst, cos, sin, heads, dims, half, num_heads, src_head_stride, dst_head_stride):
+    """Rotates heads [H_BLOCK] x half-dims [HALF_BLOCK] from src to dst (both at the token's base)."""
+    mask = (heads < num_heads)[:, None] & (dims < half)[None, :]
+    lo = heads[:, None] * src_head_stride + dims[None, :]
+    x1 = tl.load(src + lo, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + lo + half, mask=mask, other=0.0).to(tl.float32)
+    out_lo = heads[:, None] * dst_head_stride + dims[None, :]
+    c = cos[None, :]
+    s = sin[None, :]
+    tl.store(dst + out_lo, (x1 * c - x2 * s).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + out_lo + half, (x2 * c + x1 * s).to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    qkv_ptr,  # [T, (H + 2 H_kv) * D]
+    positions_ptr,  # int64 [T]
+    cos_sin_ptr,  # fp32 [max_pos, D]
+    q_ptr,  # [T, H, D]
+    k_cache_ptr,  # [num_blocks, block_size, H_kv, D]
+    v_cache_ptr,
+    slot_mapping_ptr,  # int64 [>= T]
+    qkv_stride,
+    k_cache_stride_block,
+    k_cache_stride_slot,
+    k_cache_stride_h,
+    v_cache_stride_block,
+    v_cache_stride_slot,
+    v_cache_stride_h,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    half = head_dim // 2
+    dims = tl.arange(0, BLOCK_HALF)
+    pos = tl.load(positions_ptr + token)
+    cos = tl.load(cos_sin_ptr + pos * head_dim + dims, mask=dims < half, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * head_dim + half + dims, mask=dims < half, other=0.0)
+    src = qkv_ptr + token * qkv_stride
+
+    # Queries: rotated into q[token].
+    q_heads = tl.arange(0, BLOCK_H)
+    _rotate_heads(
+        src,
+        q_ptr + token * num_heads * head_dim,
+        cos,
+        sin,
+        q_heads,
+        dims,
+        half,
+        num_heads,
+        head_dim,
+        head_dim,
+    )
+
+    # Keys (rotated) and values (copied) to the token's cache slot, unless the slot is negative.
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    kv_heads = tl.arange(0, BLOCK_KV)
+    # A negative slot turns the head count to 0, so every store is masked off (a vector mask, which the
+    # interpreter accepts, rather than a scalar branch).
+    live_kv_heads = tl.where(slot >= 0, num_kv_heads, 0)
+    blk = tl.maximum(slot, 0) // block_size
+    off = tl.maximum(slot, 0) % block_size
+    k_dst = k_cache_ptr + blk * k_cache_stride_block + off * k_cache_stride_slot
+    _rotate_heads(
+        src + num_heads * head_dim,
+        k_dst,
+        cos,
+        sin,
+        kv_heads,
+        dims,
+        half,
+        live_kv_heads,
+        head_dim,
+        k_cache_stride_h,
+    )
+    full = tl.arange(0, 2 * BLOCK_HALF)
+    v_mask = (kv_heads < live_kv_heads)[:, None] & (full < head_dim)[None, :]
+    v = tl.load(
+        src + (num_heads + num_kv_heads) * head_dim + kv_heads[:, None] * head_dim + full[None, :],
+        mask=v_mask,
+        other=0.0,
+    )
+    v_dst = v_cache_ptr + blk * v_cache_stride_block + off * v_cache_stride_slot
+    tl.store(
+        v_dst + kv_heads[:, None] * v_cache_stride_h + full[None, :],
+        v.to(v_cache_ptr.dtype.element_ty),
+        mask=v_mask,
+    )
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotated q [T, H, D]; rotated k and v stored at their slots in the caches. One launch, no sync."""
+    if not use_triton(qkv):
+        return rope_write_kv_ref(
+            qkv, positions, cos_sin, num_heads, num_kv_heads, k_cache, v_cache, slot_mapping
+        )
+    num_tokens = qkv.shape[0]
+    head_dim = cos_sin.shape[1]
+    q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q
+    assert qkv.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert head_dim % 2 == 0 and cos_sin.is_contiguous()
+    _rope_write_kv_kernel[(num_tokens,)](
+        qkv,
+        positions,
+        cos_sin,
+        q,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        qkv.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        k_cache.shape[1],
+        BLOCK_H=next_pow2(num_heads),
+        BLOCK_KV=next_pow2(num_kv_heads),
+        BLOCK_HALF=next_pow2(head_dim // 2),
+    )
+    return q

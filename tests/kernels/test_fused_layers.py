@@ -1,0 +1,112 @@
+"""The decoder layer's fused kernels (RMSNorm with residual add, SwiGLU gate, rotary + KV store) against
+their PyTorch references; the references themselves against the model's unfused torch formulas."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raystate.kernels import PAD_SLOT_ID
+from raystate.kernels.activation import silu_and_mul, silu_and_mul_ref
+from raystate.kernels.engram_gate import engram_gate, engram_gate_ref
+from raystate.kernels.norm import rms_norm, rms_norm_ref
+from raystate.kernels.rotary import rope_write_kv, rope_write_kv_ref
+from raystate.model.layers import apply_rotary, rotary_table
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(a.float().cpu(), b.float().cpu(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 8), (5, 130), (17, 2048)])
+def test_rms_norm_with_and_without_residual(on_device, dtype, shape):
+    gen = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(shape, generator=gen).to(dtype)
+    res = torch.randn(shape, generator=gen).to(dtype)
+    w = torch.randn(shape[1], generator=gen).to(dtype)
+    out, summed = rms_norm(on_device(x), on_device(w), 1e-6)
+    ref, none = rms_norm_ref(x, w, 1e-6)
+    assert summed is None and none is None
+    _close(out, ref, dtype)
+    out, summed = rms_norm(on_device(x), on_device(w), 1e-6, residual=on_device(res))
+    ref, ref_summed = rms_norm_ref(x, w, 1e-6, residual=res)
+    _close(out, ref, dtype)
+    _close(summed, ref_summed, dtype)
+    # The reference is the model's unfused formula: add, then RMSNorm in fp32.
+    s32 = (x + res).float()
+    plain = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(dtype)
+    assert torch.equal(ref, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 4), (3, 1500), (9, 256)])
+def test_silu_and_mul(on_device, dtype, rows, width):
+    gen = torch.Generator().manual_seed(width)
+    gate_up = torch.randn(rows, 2 * width, generator=gen).to(dtype) * 3
+    got = silu_and_mul(on_device(gate_up))
+    ref = silu_and_mul_ref(gate_up)
+    assert got.shape == (rows, width)
+    _close(got, ref, dtype)
+    g, u = gate_up.float().chunk(2, dim=-1)
+    _close(ref, F.silu(g) * u, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (3, 1, 8), (16, 4, 128)])
+def test_rope_write_kv_matches_reference_and_skips_pad_slots(on_device, dtype, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    num_tokens, num_blocks, block_size, max_pos = 11, 6, 4, 64
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen) < 0.3] = PAD_SLOT_ID
+    table = rotary_table(head_dim, 10000.0, max_pos, torch.device("cpu"))
+    kc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    vc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    kc_dev, vc_dev = on_device(kc), on_device(vc)
+    q = rope_write_kv(
+        on_device(qkv),
+        on_device(positions),
+        on_device(table),
+        heads,
+        kv_heads,
+        kc_dev,
+        vc_dev,
+        on_device(slots),
+    )
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_ref = rope_write_kv_ref(qkv, positions, table, heads, kv_heads, kc_ref, vc_ref, slots)
+    _close(q, q_ref, dtype)
+    _close(kc_dev, kc_ref, dtype)
+    assert torch.equal(vc_dev.cpu(), vc_ref)  # values are copied, not computed
+    # Untouched slots keep their bits.
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(
+        kc_dev.cpu().view(-1, kv_heads, head_dim)[untouched], kc.view(-1, kv_heads, head_dim)[untouched]
+    )
+    # The reference rotates exactly as the model's apply_rotary does.
+    q_plain = apply_rotary(qkv.view(num_tokens, -1, head_dim)[:, :heads], positions, 10000.0)
+    assert torch.equal(q_ref, q_plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 16), (7, 128), (5, 2048)])
+def test_engram_gate(on_device, dtype, rows, width):
+    gen = torch.Generator().manual_seed(rows * width)
+    hidden, key, value = (torch.randn(rows, width, generator=gen).to(dtype) for _ in range(3))
+    # One row with the key equal to the hidden row, one opposite: the gate near its two ends.
+    key[0] = hidden[0]
+    if rows > 1:
+        key[1] = -hidden[1]
+    w_h, w_k = (torch.rand(width, generator=gen).to(dtype) + 0.5 for _ in range(2))
+    got = engram_gate(*(on_device(t) for t in (hidden, key, value, w_h, w_k)), 1e-6)
+    ref = engram_gate_ref(hidden, key, value, w_h, w_k, 1e-6)
+    _close(got, ref, dtype)
+    # The reference is the model's formula.
+    h = rms_norm_ref(hidden, w_h, 1e-6)[0].float()
+    k = rms_norm_ref(key, w_k, 1e-6)[0].float()
+    d = (h * k).sum(-1) / width**0.5
+    gate = torch.sigmoid(torch.sign(d) * torch.sqrt(d.abs().clamp(min=1e-6)))
+    assert torch.equal(ref, hidden + gate.to(dtype)[:, None] * value)
