@@ -237,6 +237,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": float32 on the CPU, bfloat16 on CUDA; or float32 / bfloat16 / float16
     seed: int = 0
     cuda_graphs: bool = True  # capture decode-only steps on CUDA (ignored on the CPU)
+    # Plan and send the next decode step while the current one runs (the in-process engine overlaps the
+    # scheduler's work with the device's; see Scheduler.schedule(lookahead=True)).
+    async_scheduling: bool = True
     model_path: str | None = None  # a save_pretrained directory; None: seeded weights of `model`
 
     def __post_init__(self) -> None:

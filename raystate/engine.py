@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from raystate.config import EngineConfig
 from raystate.messages import SamplingParams, decode_result, decode_step, encode
 from raystate.scheduler import RequestUpdate, Scheduler
-from raystate.worker.worker import Worker
+from raystate.worker.worker import PendingStep, Worker
 
 # The phases of a profiled step, in the order they run; `StepTiming` has one field of seconds per phase.
 PHASES = ("schedule", "dispatch", "prepare", "forward", "sample", "update")
@@ -50,6 +50,7 @@ class InProcessEngine:
         self.scheduler = Scheduler(config, num_shards=1)
         self.worker = worker if worker is not None else Worker(config)
         self.step_times: list[StepTiming] = []  # one per step while `profile` is on
+        self._pending: list[tuple[int, PendingStep]] = []  # launched, not yet finished (async scheduling)
 
     @property
     def profile(self) -> bool:
@@ -71,11 +72,30 @@ class InProcessEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestUpdate]:
+        """One scheduling round. With async scheduling the next decode step is planned and launched
+        before the step in flight is finished, so the returned updates may be the previous step's (the
+        host's scheduling, message and bookkeeping work overlaps the device's)."""
         if self.worker.profile:
-            return self._profiled_step()
+            return self._finish_pending() + self._profiled_step()
+        if not self.config.async_scheduling:
+            updates: list[RequestUpdate] = []
+            for shard, msg in self.scheduler.schedule().items():
+                result = decode_result(encode(self.worker.execute(decode_step(encode(msg)))))
+                updates.extend(self.scheduler.update(shard, result))
+            return updates
+        launched = [
+            (shard, self.worker.launch(decode_step(encode(msg))))
+            for shard, msg in self.scheduler.schedule(lookahead=True).items()
+        ]
+        updates = self._finish_pending()
+        self._pending = launched
+        return updates
+
+    def _finish_pending(self) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []
-        for shard, msg in self.scheduler.schedule().items():
-            result = decode_result(encode(self.worker.execute(decode_step(encode(msg)))))
+        pending, self._pending = self._pending, []
+        for shard, launched in pending:
+            result = decode_result(encode(self.worker.finish(launched)))
             updates.extend(self.scheduler.update(shard, result))
         return updates
 
@@ -119,4 +139,4 @@ class InProcessEngine:
         return updates
 
     def shutdown(self) -> None:
-        pass
+        self._finish_pending()

@@ -72,6 +72,7 @@ class LLM:
         max_model_len: int | None = None,
         dtype: str = "auto",
         cuda_graphs: bool = True,
+        async_scheduling: bool = True,
         backend: str = "ray",
         num_shards: int = 1,
         address: str | None = None,
@@ -101,6 +102,7 @@ class LLM:
             device=device,
             dtype=dtype,
             cuda_graphs=cuda_graphs,
+            async_scheduling=async_scheduling,
             seed=seed,
             model_path=path,
         )

@@ -8,9 +8,11 @@ it waits on the workers:
     schedule() -> {shard: StepMessage} -> encode each once -> dispatch -> [stream the previous step's
     updates, record metrics] -> collect the StepResults -> update() -> next step
 
-Streaming, metrics and all client traffic thus overlap the step in flight. A step can only be planned
-once its shard answered the last one (a decode needs the token just sampled), so that is where the
-overlap stops. Dispatch is a compiled Ray graph over every shard's `execute` (shards step in lockstep; a
+Streaming, metrics and all client traffic thus overlap the step in flight. With async scheduling (the
+config's default) and a compiled graph, the next decode step is also planned and sent while one is in
+flight (`Scheduler.schedule(lookahead=True)`: the worker already holds the token it will read), so the
+scheduler's update and planning overlap the workers' execution; steps that admit or prefill wait for
+the answer. Dispatch is a compiled Ray graph over every shard's `execute` (shards step in lockstep; a
 shard with nothing to do gets an empty StepMessage, so the graph's fan-out stays fixed), or plain actor
 calls (`dispatch="actor"`: each shard steps as soon as it answered). If the graph cannot be compiled the
 actor falls back to actor calls and says so in `status()`. The price of the graph's latency: in Ray 2.60
@@ -62,9 +64,9 @@ from raystate.scheduler.scheduler import Scheduler
 
 _HEALTH = "__health__"  # owner of the health-check requests
 _MAX_FAILURES = 3  # consecutive failed steps of one shard before the engine gives up
-# What status() counts: steps answered, idle probes, fault recoveries, workers Ray restarted, workers
-# replaced by a new actor, shards dropped.
-_COUNTS = ("steps", "probes", "recoveries", "restarts", "respawns", "drops")
+# What status() counts: steps answered, steps planned on top of one in flight (async scheduling), idle
+# probes, fault recoveries, workers Ray restarted, workers replaced by a new actor, shards dropped.
+_COUNTS = ("steps", "lookahead_steps", "probes", "recoveries", "restarts", "respawns", "drops")
 
 
 @dataclasses.dataclass
@@ -332,22 +334,47 @@ class SchedulerActor:
 
     def _loop_steps(self) -> None:
         sched, lock = self._sched, self._lock
-        expecting: dict[int, float] = {}  # shards with a real message in flight -> submit time
+        # Compiled graph (lockstep): one entry per step in flight, oldest first, each mapping the shards
+        # that got a real message to its submit time; with async scheduling a second step, planned on top
+        # of the first, may be in flight. Actor calls: one step per shard at most, in one dict.
+        steps: collections.deque[dict[int, float]] = collections.deque()
+        expecting: dict[int, float] = {}
+        lookahead_ok = sched.config.async_scheduling
         done: tuple[list[RequestUpdate], list[tuple[float, float]]] = ([], [])
         while not self._stopping:
             dispatch = self._dispatch
-            if not (dispatch.lockstep and dispatch.in_flight()):
+            lockstep = dispatch.lockstep
+            refused = False
+            # Plan and send: a step when none is in flight, then (compiled graph, async scheduling) a
+            # decode step on top of it while it runs; with actor calls, whatever shards are free.
+            while True:
+                in_flight = dispatch.num_in_flight()
+                if lockstep and not (in_flight == 0 or (in_flight == 1 and lookahead_ok)):
+                    break
                 with lock:
-                    msgs = sched.schedule()
+                    msgs = sched.schedule(lookahead=lockstep and in_flight > 0)
                 payloads = {s: encode(m) for s, m in msgs.items()}
-                if payloads:
-                    expecting.update(dict.fromkeys(payloads, time.perf_counter()))
-                    try:
-                        dispatch.submit(payloads)
-                    except Exception as e:  # the graph refused the input: these steps are lost
-                        self._recover(dict.fromkeys(self._workers, e), set(expecting))
-                        expecting.clear()
-                        continue
+                if not payloads:
+                    break
+                sent = dict.fromkeys(payloads, time.perf_counter())
+                self.counts["lookahead_steps"] += lockstep and in_flight > 0
+                if lockstep:
+                    steps.append(sent)
+                else:
+                    expecting.update(sent)
+                try:
+                    dispatch.submit(payloads)
+                except Exception as e:  # the graph refused the input: every step in flight is lost
+                    lost = set(expecting).union(*steps)
+                    steps.clear()
+                    expecting.clear()
+                    self._recover(dict.fromkeys(self._workers, e), lost)
+                    refused = True
+                    break
+                if not lockstep:
+                    break
+            if refused:
+                continue
             self._after_step(*done)  # the previous step's streaming and metrics, while this one runs
             done = ([], [])
             if not dispatch.in_flight():
@@ -359,19 +386,20 @@ class SchedulerActor:
                 continue
             results, errors = dispatch.collect(self.step_timeout_s)
             now = time.perf_counter()
+            answered = (steps.popleft() if steps else {}) if lockstep else expecting
             with lock:
                 for s, data in results.items():
-                    sent = expecting.pop(s, None)
-                    if sent is None:
+                    sent_at = answered.pop(s, None)
+                    if sent_at is None:
                         continue  # an idle shard's empty step
                     result = decode_result(data)
                     done[0].extend(sched.update(s, result))
-                    done[1].append((now - sent, now - sent - result.execute_ns * 1e-9))
+                    done[1].append((now - sent_at, now - sent_at - result.execute_ns * 1e-9))
                     self._failures[s] = 0
             if errors:
-                if dispatch.lockstep:  # the graph is torn down: every step in flight is lost
-                    lost = set(expecting)
-                    expecting.clear()
+                if lockstep:  # the graph is torn down: every step in flight is lost
+                    lost = set(answered).union(*steps)
+                    steps.clear()
                 else:
                     lost = {s for s in errors if expecting.pop(s, None) is not None}
                 self._recover(errors, lost)

@@ -1,6 +1,7 @@
 """How the scheduler actor sends one step to its shards and gathers the answers.
 
-Two interchangeable dispatchers with one interface (`submit`, `in_flight`, `collect`, `close`):
+Two interchangeable dispatchers with one interface (`submit`, `in_flight`, `num_in_flight`, `collect`,
+`close`):
 `CompiledDispatch`, one Ray compiled graph over every shard's `execute` (all shards step in lockstep,
 ~0.1-0.2 ms a round trip), and `ActorDispatch`, plain actor calls (each shard steps as soon as it
 answered; ~1 ms a round trip). Errors come back per shard, so the actor can recover just those.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 
 import ray
 from ray.exceptions import GetTimeoutError
@@ -31,16 +33,20 @@ class CompiledDispatch:
         with InputNode() as inp:
             outs = [workers[s].execute.bind(inp[i]) for i, s in enumerate(self.shards)]
             self.dag = MultiOutputNode(outs).experimental_compile()
-        self._ref = None
+        self._refs: deque = deque()  # executions in flight, oldest first (two with async scheduling)
 
     def submit(self, payloads: dict[int, bytes]) -> None:
-        self._ref = self.dag.execute(*[payloads.get(s, IDLE_STEP) for s in self.shards])
+        self._refs.append(self.dag.execute(*[payloads.get(s, IDLE_STEP) for s in self.shards]))
 
     def in_flight(self) -> bool:
-        return self._ref is not None
+        return bool(self._refs)
+
+    def num_in_flight(self) -> int:
+        return len(self._refs)
 
     def collect(self, timeout_s: float) -> tuple[dict[int, bytes], dict[int, BaseException]]:
-        ref, self._ref = self._ref, None
+        """The oldest execution's answers (the graph answers in submission order)."""
+        ref = self._refs.popleft()
         try:
             outs = ray.get(ref, timeout=timeout_s)
         except Exception as e:  # a dead actor, a channel error or a timeout: every shard's answer is lost
@@ -48,7 +54,7 @@ class CompiledDispatch:
         return dict(zip(self.shards, outs, strict=True)), {}
 
     def close(self) -> None:
-        self._ref = None
+        self._refs.clear()
         with contextlib.suppress(Exception):  # an actor of the graph may be gone already
             self.dag.teardown()
 
@@ -68,6 +74,9 @@ class ActorDispatch:
 
     def in_flight(self) -> bool:
         return bool(self._refs)
+
+    def num_in_flight(self) -> int:
+        return len(self._refs)
 
     def collect(self, timeout_s: float) -> tuple[dict[int, bytes], dict[int, BaseException]]:
         now = time.monotonic()

@@ -147,12 +147,14 @@ class Scheduler:
 
     # -- the step ----------------------------------------------------------------------------------------
 
-    def schedule(self) -> dict[int, StepMessage]:
-        """One StepMessage per shard that has something to do and no step in flight."""
+    def schedule(self, lookahead: bool = False) -> dict[int, StepMessage]:
+        """One StepMessage per shard that has something to do and no step in flight; with `lookahead`,
+        also a decode step planned on top of a shard's step in flight where that is safe (async
+        scheduling: the caller sends it before applying the answer to the step in flight)."""
         self._step_id += 1
         messages = {}
         for shard in self.shards:
-            msg = shard.schedule(self._step_id)
+            msg = shard.schedule(self._step_id, lookahead)
             if msg is not None:
                 messages[shard.shard] = msg
         return messages

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from operator import attrgetter
+from typing import NamedTuple
 
 from raystate.config import EngineConfig
 from raystate.messages import NewRequest, RequestUpdate, RunningDelta, StepMessage, StepResult, bytes_to_ids
@@ -26,6 +27,15 @@ from raystate.scheduler.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
 _by_arrival = attrgetter("arrival")
+
+
+class _InflightStep(NamedTuple):
+    """A message sent and not yet answered: its rows in row order and each row's scheduled tokens."""
+
+    step_id: int
+    rows: list[Request]
+    ids: list[str]
+    counts: list[int]
 
 
 class ShardScheduler:
@@ -41,9 +51,8 @@ class ShardScheduler:
         self.running: list[Request] = []  # sorted by arrival: the tail is preempted first
         self._finished_ids: list[str] = []  # to send with the next message
         self._preempted_ids: list[str] = []
-        self._inflight_step = -1  # step id of the message awaiting its result, -1: none
-        self._inflight_rows: list[Request] = []  # that message's batch rows, in row order
-        self._inflight_ids: list[str] = []
+        # Messages awaiting their results, oldest first: at most two (a step and its lookahead).
+        self._inflight: deque[_InflightStep] = deque()
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.replayed_tokens = 0
@@ -62,10 +71,14 @@ class ShardScheduler:
 
     # -- the step ----------------------------------------------------------------------------------------
 
-    def schedule(self, step_id: int) -> StepMessage | None:
-        """This shard's next step, or None when it has nothing to do or its last step is unanswered."""
-        if self._inflight_step >= 0:
-            return None
+    def schedule(self, step_id: int, lookahead: bool = False) -> StepMessage | None:
+        """This shard's next step, or None when it has nothing to do or its last step is unanswered.
+
+        With `lookahead`, a shard whose last step is unanswered may still get a decode step planned on top
+        of it (see `_schedule_lookahead`); without it, it gets None until that answer is applied.
+        """
+        if self._inflight:
+            return self._schedule_lookahead(step_id) if lookahead and len(self._inflight) == 1 else None
         kv = self.kv
         budget = self.max_num_batched_tokens
         preempted = self.num_preemptions
@@ -126,9 +139,60 @@ class ShardScheduler:
         )
         self._finished_ids = []
         self._preempted_ids = []
-        self._inflight_step = step_id
-        self._inflight_rows = new_rows + rows
-        self._inflight_ids = row_ids
+        all_rows = new_rows + rows
+        self._inflight.append(_InflightStep(step_id, all_rows, row_ids, [r.num_scheduled for r in all_rows]))
+        return msg
+
+    def _schedule_lookahead(self, step_id: int) -> StepMessage | None:
+        """A decode step planned while the last one runs (async scheduling), or None when that is unsafe.
+
+        Only the steady decode state qualifies: every running request has a row in the step in flight
+        that samples its next token, and gets one more decode row for the token that step will sample
+        (its id is on the worker's device by the time this step runs; the scheduler never needs it).
+        Anything else (admissions that could start, prefill chunks, a block shortage that would preempt)
+        waits for the answer and a normal step. A request that reaches max_tokens with the token in
+        flight gets no row; one that stops on EOS gets a row whose token is dropped on arrival.
+        """
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        prev = self._inflight[0]
+        in_flight = {req.req_id: n for req, n in zip(prev.rows, prev.counts, strict=True)}
+        rows: list[Request] = []
+        counts: list[int] = []  # each row's tokens in flight
+        new_blocks = 0
+        for req in self.running:
+            n = in_flight.get(req.req_id, 0)
+            computed = req.num_computed + n
+            if n == 0 or computed != req.num_tokens:  # not in flight, or mid-prefill
+                return None
+            if req.num_tokens + 1 >= req.max_num_tokens:  # the token in flight is its last
+                continue
+            if computed + 1 > req.block_capacity:
+                new_blocks += 1
+            rows.append(req)
+            counts.append(n)
+        if not rows or len(rows) > self.max_num_batched_tokens:
+            return None
+        kv = self.kv
+        if new_blocks and new_blocks > min(kv.num_available()):  # one block per group at most each
+            return None
+        deltas = []
+        no_blocks = [[] for _ in kv.groups]
+        for req, n in zip(rows, counts, strict=True):
+            if not kv.allocate(req, n + 1):  # the tokens in flight and this step's one
+                raise RuntimeError(f"lookahead: blocks for {req.req_id!r} ran out after the check")
+            new_block_ids = req.new_block_ids
+            req.new_block_ids = None
+            deltas.append(RunningDelta(req.req_id, new_block_ids or [ids.copy() for ids in no_blocks], 1))
+        msg = StepMessage(
+            step_id=step_id,
+            running=deltas,
+            finished_ids=self._finished_ids,
+            preempted_ids=self._preempted_ids,
+        )
+        self._finished_ids = []
+        self._preempted_ids = []
+        self._inflight.append(_InflightStep(step_id, rows, [r.req_id for r in rows], [1] * len(rows)))
         return msg
 
     def _budget_left(self, rows: list[Request]) -> int:
@@ -207,32 +271,28 @@ class ShardScheduler:
     def update(self, result: StepResult) -> tuple[list[RequestUpdate], list[Request]]:
         """Applies the shard's answer to the message in flight: advances every row by its chunk, appends
         sampled tokens and finishes requests. Returns the client updates and the requests that finished."""
-        if self._inflight_step < 0:
+        if not self._inflight:
             raise RuntimeError(f"update: shard {self.shard} has no step in flight")
-        if result.step_id != self._inflight_step:
-            raise ValueError(
-                f"step_id: shard {self.shard} awaits step {self._inflight_step}, got {result.step_id}"
-            )
-        if result.req_ids != self._inflight_ids:
+        step = self._inflight[0]
+        if result.step_id != step.step_id:
+            raise ValueError(f"step_id: shard {self.shard} awaits step {step.step_id}, got {result.step_id}")
+        if result.req_ids != step.ids:
             raise ValueError(
                 f"req_ids: shard {self.shard} step {result.step_id} rows do not match the batch sent"
             )
         sampled = bytes_to_ids(result.sampled)
-        if len(sampled) != len(self._inflight_ids):
-            raise ValueError(f"sampled: {len(sampled)} ids for {len(self._inflight_ids)} rows")
-        rows = self._inflight_rows
-        self._inflight_step = -1
-        self._inflight_rows = []
-        self._inflight_ids = []
+        if len(sampled) != len(step.ids):
+            raise ValueError(f"sampled: {len(sampled)} ids for {len(step.ids)} rows")
+        self._inflight.popleft()
         kv = self.kv
         vocab = self.vocab_size
         running = _RUNNING
         updates: list[RequestUpdate] = []
         finished: list[Request] = []
-        for req, token in zip(rows, sampled, strict=True):  # the hot loop at high decode batch
-            if req.status is not running:  # aborted while in flight
+        for req, n, token in zip(step.rows, step.counts, sampled, strict=True):  # the hot loop
+            if req.status is not running:  # aborted, or finished by the step before (lookahead)
                 continue
-            computed = req.num_computed + req.num_scheduled
+            computed = req.num_computed + n
             req.num_computed = computed
             req.num_scheduled = 0
             if computed >= req.kv_check_at:
@@ -288,9 +348,7 @@ class ShardScheduler:
         self.waiting = deque(reqs)
         self._finished_ids = []
         self._preempted_ids = []
-        self._inflight_step = -1
-        self._inflight_rows = []
-        self._inflight_ids = []
+        self._inflight.clear()
         return reqs
 
     # -- checks ------------------------------------------------------------------------------------------

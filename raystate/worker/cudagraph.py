@@ -49,12 +49,14 @@ class DecodeGraphs:
         pin = dev.type == "cuda"
         n = 4 * max_b + 1
         self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)  # int64 [4 Bmax + 1]
-        self.host_np = self.host.numpy()
         self.staged = torch.zeros(n, dtype=torch.int64, device=dev)  # int64 [4 Bmax + 1]
         self.slot_mappings = torch.empty((len(w.groups), max_b), dtype=torch.int64, device=dev)  # [G, Bmax]
         self.logits = torch.zeros((max_b, w.model.config.vocab_size), dtype=torch.float32, device=dev)
         self.sampled = torch.zeros(max_b, dtype=torch.int64, device=dev)  # greedy ids [Bmax]
-        self.sampled_host = torch.zeros(max_b, dtype=torch.int64, pin_memory=pin)
+        # Two of each host buffer, used in turn: a step may be launched before the last one is finished.
+        self.host_bufs = [self.host, torch.zeros(n, dtype=torch.int64, pin_memory=pin)]
+        self.sampled_bufs = [torch.zeros(max_b, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.num_replays = 0
@@ -104,7 +106,7 @@ class DecodeGraphs:
 
     def _stage_padding(self) -> None:
         """Every row padding: what capture runs on (nothing a request owns is read or written)."""
-        m, h = self.max_b, self.host_np
+        m, h = self.max_b, self.host.numpy()
         h[:m] = self.worker.states.scratch_slot
         h[m:] = 0
         self.staged.copy_(self.host)
@@ -150,7 +152,9 @@ class DecodeGraphs:
         """
         b = slots.shape[0]
         size = self.size_for(b)
-        m, h = self.max_b, self.host_np
+        self._turn ^= 1
+        self.host = self.host_bufs[self._turn]  # the other step's buffer may still be copying
+        m, h = self.max_b, self.host.numpy()
         h[:b] = slots
         h[b:size] = self.worker.states.scratch_slot
         h[m : m + b] = positions
@@ -170,11 +174,29 @@ class DecodeGraphs:
             self.num_eager_steps += 1
         return size
 
-    def fetch_sampled(self, sampled: torch.Tensor) -> np.ndarray:  # int64 [B] on the device -> host
-        """Copies the step's sampled ids to pinned host memory and waits for them (the step's one sync)."""
-        b = sampled.shape[0]
-        out = self.sampled_host[:b]
+    def copy_sampled(self, sampled: torch.Tensor) -> tuple[torch.Tensor, ReadyEvent]:
+        """Queues the copy of this step's sampled ids (int64 [B] on the device) to host memory; returns
+        the host tensor and an event to wait on before reading it. Nothing here waits."""
+        out = self.sampled_bufs[self._turn][: sampled.shape[0]]
         out.copy_(sampled, non_blocking=True)
-        if sampled.is_cuda:
-            torch.cuda.current_stream().synchronize()
-        return out.numpy().copy()
+        return out, ReadyEvent.record(sampled.device)
+
+
+class ReadyEvent:
+    """Marks the point in the device's stream after which a step's host copy is complete (a no-op on
+    the CPU, where the copy is done when it returns)."""
+
+    def __init__(self, event: torch.cuda.Event | None) -> None:
+        self.event = event
+
+    @classmethod
+    def record(cls, device: torch.device) -> ReadyEvent:
+        if device.type != "cuda":
+            return cls(None)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(event)
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from raystate.state.input_batch import InputBatch
 from raystate.state.model_state import HybridModelState
 from raystate.state.requests import RequestStates
 from raystate.worker.block_table import BlockTables
-from raystate.worker.cudagraph import DecodeGraphs
+from raystate.worker.cudagraph import DecodeGraphs, ReadyEvent
 from raystate.worker.kv_cache import allocate_kv_caches
 from raystate.worker.sampler import Sampler
 
@@ -34,6 +35,19 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if config.device.startswith("cuda") else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
+
+
+@dataclass
+class PendingStep:
+    """A launched step: its answer (`result`), or where its sampled ids land and the event after which
+    they are there (graph decode steps, whose device work may still be running)."""
+
+    t0: int  # perf_counter_ns at launch
+    result: StepResult | None
+    step_id: int = 0
+    req_ids: list[str] = field(default_factory=list)
+    sampled_host: torch.Tensor | None = None  # int64 [B], pinned on CUDA
+    ready: ReadyEvent | None = None
 
 
 class Worker:
@@ -100,14 +114,25 @@ class Worker:
 
     # -- the step -------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, msg: StepMessage) -> StepResult:
+        """One step, start to answer."""
+        return self.finish(self.launch(msg))
+
+    @torch.inference_mode()
+    def launch(self, msg: StepMessage) -> PendingStep:
+        """Applies the message and queues the step's device work; returns without waiting for a graph
+        decode step's device work (its answer is read by `finish`). Other steps are done on return.
+
+        A caller may launch the next message before finishing this one (async scheduling): this step's
+        sampled ids are appended to the device history before the next step reads them (one stream), and
+        the host mirrors of lengths advance here, at launch.
+        """
         t0 = self._phase_mark() if self.profile else time.perf_counter_ns()
         rows, num_scheduled = self._apply(msg)
         if not rows:
             if self.profile:
                 self.last_phases = (self._phase_mark() - t0, 0, 0)
-            return StepResult(step_id=msg.step_id, req_ids=[], sampled=b"", execute_ns=0)
+            return PendingStep(t0, StepResult(step_id=msg.step_id, req_ids=[], sampled=b"", execute_ns=0))
         states = self.states
         self.block_tables.commit()
         if self.graphs is not None and self.logit_recorder is None:
@@ -136,12 +161,21 @@ class Worker:
         if self.profile:
             t_sampled = self._phase_mark()
             self.last_phases = (t_prepared - t0, t_forward - t_prepared, t_sampled - t_forward)
-        return StepResult(
-            step_id=msg.step_id,
-            req_ids=rows,
-            sampled=ids_to_bytes(sampled.tolist()),
-            execute_ns=time.perf_counter_ns() - t0,
-        )
+        result = StepResult(step_id=msg.step_id, req_ids=rows, sampled=ids_to_bytes(sampled.tolist()))
+        return PendingStep(t0, result)
+
+    def finish(self, pending: PendingStep) -> StepResult:
+        """Waits for a launched step's sampled ids (if its device work is still running); its answer."""
+        result = pending.result
+        if result is None:
+            pending.ready.synchronize()
+            result = StepResult(
+                step_id=pending.step_id,
+                req_ids=pending.req_ids,
+                sampled=ids_to_bytes(pending.sampled_host.tolist()),
+            )
+        result.execute_ns = time.perf_counter_ns() - pending.t0
+        return result
 
     # -- decode steps through a captured graph --------------------------------------------------------
 
@@ -164,7 +198,7 @@ class Worker:
             return None
         return slots
 
-    def _graph_decode(self, step_id: int, rows: list[str], slots: np.ndarray, t0: int) -> StepResult:
+    def _graph_decode(self, step_id: int, rows: list[str], slots: np.ndarray, t0: int) -> PendingStep:
         states = self.states
         graphs = self.graphs
         b = slots.shape[0]
@@ -184,18 +218,13 @@ class Worker:
             states.all_token_ids[torch.from_numpy(slots).to(dev), torch.from_numpy(positions + 1).to(dev)] = (
                 sampled.to(torch.int32)
             )
-        host = graphs.fetch_sampled(sampled)
+        host, ready = graphs.copy_sampled(sampled)
         states.num_tokens[slots] += 1
         states.num_computed[slots] += 1
         if self.profile:
             t_sampled = self._phase_mark()
             self.last_phases = (t_prepared - t0, t_forward - t_prepared, t_sampled - t_forward)
-        return StepResult(
-            step_id=step_id,
-            req_ids=rows,
-            sampled=ids_to_bytes(host.tolist()),
-            execute_ns=time.perf_counter_ns() - t0,
-        )
+        return PendingStep(t0, None, step_id, rows, host, ready)
 
     def _phase_mark(self) -> int:
         """Profile mode's clock: waits for the device's queued work first, so it is charged to the phase

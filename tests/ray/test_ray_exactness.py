@@ -8,6 +8,7 @@ which requests share a cache, so bounded replay is off: every prefix hit is then
 from __future__ import annotations
 
 import pytest
+import ray
 from ray_harness import TEST_OPTIONS, greedy, inprocess_outputs, llm_kwargs, shared_prefix_prompts
 
 from raystate import LLM, InvalidRequest
@@ -38,6 +39,9 @@ def test_ray_backend_equals_inprocess(local_ray, num_shards, dispatch, replay):
         ]
         with pytest.raises(InvalidRequest, match="prompt_token_ids"):
             llm.generate(prompt_token_ids=[[1, 2, 3], [1, 999]], sampling_params=greedy(4), use_tqdm=False)
+        counts = ray.get(llm.cluster.scheduler.status.remote())
+        # Compiled graphs plan decode steps on top of the one in flight (async scheduling); actor calls don't.
+        assert (counts["lookahead_steps"] > 0) == (dispatch == "compiled")
     finally:
         llm.shutdown()
     for got_call, want_call in zip(got, want, strict=True):
