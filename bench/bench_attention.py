@@ -4,22 +4,37 @@ Decode is memory-bound: we report the KV bytes each step must read over the kern
 bandwidth of a device-to-device copy measured in the same run. Prefill is compute-bound: we report
 TFLOP/s and the time ratio against torch's flash SDPA on the same (dense, unpaged) problem.
 
-    python bench/bench_attention.py [--dtype bf16] [--json out.json] [--sweep]
+    python bench/bench_attention.py [--dtype bf16] [--json out.json] [--sweep [--only REGEX]]
 
---sweep times the launch configurations the launcher could pick (tile rows, keys per step, warps,
-stages) on one decode and one prefill problem, to re-tune `_launch_config` on new hardware.
+--sweep first times the kernel variants the launcher can be given (`AttentionLaunch`: tile rows, keys
+per step, warps, stages, pipelining hints and the K-row / split-mask / folded-scale / heavy-first
+flags) on causal prefill S = 4k, 8k, 16k and 4 x 4k, and on decode B = 64 at 4k context, and prints a
+table of time and ratio per variant (plus each variant's largest difference from the default launch's
+output, a guard against a fast but wrong variant). It chooses nothing: PREFILL_LAUNCH / DECODE_LAUNCH in
+kernels/attention.py are set by hand from the table. The whole run takes about two minutes on an H200.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton.testing
 
 from raystate.kernels import attention, cdiv, paged_attention
+from raystate.kernels.attention import AttentionLaunch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PREFILL_SWEEP = ((1, 4096), (1, 8192), (1, 16384), (4, 4096))  # (rows, tokens per row), causal
+DECODE_SWEEP = (64, 4096)  # (rows, context)
+ALL_FLAGS = {"k_rows": True, "split_mask": True, "fold_scale": True, "heavy_first": True}
 
 
 def copy_bandwidth() -> float:
@@ -53,22 +68,67 @@ def paged_problem(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_s
     return query, k_cache, v_cache, block_table, query_start_loc, seq_lens_t
 
 
-def bench_decode(batch, context, window, args, hbm) -> dict:
-    h_q, h_kv, d = args.q_heads, args.kv_heads, args.head_dim
+class Problem:
+    """One paged attention call, runnable under any launch: `batch` rows of q_len queries over seq_len
+    keys (prefill: q_len = seq_len; decode: q_len = 1), max_query_len passed as the model passes it."""
+
+    def __init__(self, batch: int, q_len: int, seq_len: int, window: int, args):
+        self.batch, self.q_len, self.seq_len, self.window = batch, q_len, seq_len, window
+        self.inputs = paged_problem(
+            [q_len] * batch,
+            [seq_len] * batch,
+            args.q_heads,
+            args.kv_heads,
+            args.head_dim,
+            args.block_size,
+            DTYPES[args.dtype],
+        )
+        self.scale = args.head_dim**-0.5
+        self.out = torch.empty_like(self.inputs[0])
+
+    def run(self, launch: AttentionLaunch | None = None) -> torch.Tensor:
+        return paged_attention(
+            *self.inputs, self.scale, self.window, out=self.out, max_query_len=self.q_len, launch=launch
+        )
+
+    def compile(self, launch: AttentionLaunch | None = None) -> None:
+        """Compiles the kernel this call would launch, launching nothing."""
+        attention._paged_attention_triton(
+            *self.inputs, self.scale, self.window, None, self.out, self.q_len, launch, compile_only=True
+        )
+
+    def time_ms(self, launch: AttentionLaunch | None = None) -> float:
+        return triton.testing.do_bench(lambda: self.run(launch), warmup=25, rep=100)
+
+    def kv_bytes(self) -> int:
+        query, k_cache = self.inputs[0], self.inputs[1]
+        keys = min(self.seq_len, self.window) if self.window else self.seq_len
+        kv = 2 * self.batch * keys * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+        return kv + 2 * query.numel() * query.element_size()  # + reading q and writing out
+
+    def causal_flops(self) -> float:
+        query = self.inputs[0]
+        keys_per_query = self.seq_len / 2 if not self.window else min(self.window, self.seq_len / 2)
+        return 4 * self.batch * query.shape[1] * self.seq_len * keys_per_query * query.shape[2]
+
+
+def sdpa_ms(batch: int, seq: int, args) -> float:
+    """torch's flash SDPA on the same causal problem, dense and unpaged: the prefill yardstick."""
     dtype = DTYPES[args.dtype]
-    query, k_cache, v_cache, bt, qsl, sl = paged_problem(
-        [1] * batch, [context] * batch, h_q, h_kv, d, args.block_size, dtype
-    )
-    out = torch.empty_like(query)
+    q = torch.randn(batch, args.q_heads, seq, args.head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(batch, args.kv_heads, seq, args.head_dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        return triton.testing.do_bench(
+            lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True), warmup=25, rep=100
+        )
 
-    def run():
-        paged_attention(query, k_cache, v_cache, bt, qsl, sl, d**-0.5, window, out=out, max_query_len=1)
 
-    ms = triton.testing.do_bench(run, warmup=25, rep=100)
-    keys = min(context, window) if window else context
-    kv_bytes = 2 * batch * keys * h_kv * d * query.element_size()
-    q_bytes = 2 * query.numel() * query.element_size()
-    bw = (kv_bytes + q_bytes) / (ms * 1e-3)
+def bench_decode(batch, context, window, args, hbm) -> dict:
+    problem = Problem(batch, 1, context, window, args)
+    ms = problem.time_ms()
+    bw = problem.kv_bytes() / (ms * 1e-3)
     return {
         "case": f"decode B={batch} ctx={context} W={window}",
         "ms": ms,
@@ -78,62 +138,190 @@ def bench_decode(batch, context, window, args, hbm) -> dict:
 
 
 def bench_prefill(batch, seq, window, args) -> dict:
-    h_q, h_kv, d = args.q_heads, args.kv_heads, args.head_dim
-    dtype = DTYPES[args.dtype]
-    query, k_cache, v_cache, bt, qsl, sl = paged_problem(
-        [seq] * batch, [seq] * batch, h_q, h_kv, d, args.block_size, dtype
-    )
-    out = torch.empty_like(query)
-
-    def run():
-        paged_attention(query, k_cache, v_cache, bt, qsl, sl, d**-0.5, window, out=out, max_query_len=seq)
-
-    ms = triton.testing.do_bench(run, warmup=25, rep=100)
-    keys_per_query = seq / 2 if not window else min(window, seq / 2)
-    flops = 4 * batch * h_q * seq * keys_per_query * d
-    row = {"case": f"prefill B={batch} S={seq} W={window}", "ms": ms, "TFLOP/s": flops / (ms * 1e-3) / 1e12}
+    problem = Problem(batch, seq, seq, window, args)
+    ms = problem.time_ms()
+    row = {
+        "case": f"prefill B={batch} S={seq} W={window}",
+        "ms": ms,
+        "TFLOP/s": problem.causal_flops() / (ms * 1e-3) / 1e12,
+    }
     if not window:
-        q = torch.randn(batch, h_q, seq, d, device="cuda", dtype=dtype)
-        k = torch.randn(batch, h_kv, seq, d, device="cuda", dtype=dtype)
-        v = torch.randn_like(k)
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-            sdpa_ms = triton.testing.do_bench(
-                lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True), warmup=25, rep=100
-            )
-        row["sdpa_ms"] = sdpa_ms
-        row["speed_vs_sdpa"] = sdpa_ms / ms
+        row["sdpa_ms"] = sdpa_ms(batch, seq, args)
+        row["speed_vs_sdpa"] = row["sdpa_ms"] / ms
     return row
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+def prefill_variants() -> list[AttentionLaunch]:
+    """Candidates for PREFILL_LAUNCH (26): today's tile alone and with each flag, then tile shapes with
+    every flag on, pipelining hints on a 128-row tile, and that tile with each flag left out."""
+    today = AttentionLaunch()
+    big = AttentionLaunch(block_m=128, block_n=64, num_warps=8, num_stages=3, **ALL_FLAGS)
+    variants = [today]
+    variants += [dataclasses.replace(today, **{flag: True}) for flag in ALL_FLAGS]
+    variants += [
+        AttentionLaunch(loop_stages=2),
+        AttentionLaunch(**ALL_FLAGS),
+        AttentionLaunch(loop_stages=2, **ALL_FLAGS),
+        dataclasses.replace(big, **{flag: False for flag in ALL_FLAGS}),  # the big tile alone
+    ]
+    # (block_m, block_n, num_warps, num_stages). Left out: 64 x 128 and 128 x 64 tiles on 4 warps, which
+    # spill registers (ptxas for sm_90 with every flag on, Triton 3.6).
+    tiles = [
+        (64, 64, 4, 3),
+        (64, 64, 4, 4),
+        (64, 128, 8, 2),
+        (64, 128, 8, 3),
+        (128, 64, 8, 2),
+        (128, 64, 8, 3),
+        (128, 64, 8, 4),
+        (128, 128, 8, 2),
+        (128, 128, 8, 3),
+    ]
+    variants += [
+        AttentionLaunch(block_m=m, block_n=n, num_warps=w, num_stages=s, **ALL_FLAGS) for m, n, w, s in tiles
+    ]
+    variants += [
+        dataclasses.replace(big, loop_stages=3),
+        dataclasses.replace(big, loop_stages=3, edge_stages=1),
+        dataclasses.replace(big, edge_stages=1),
+        dataclasses.replace(big, block_n=128, num_stages=2, loop_stages=2, edge_stages=1),
+    ]
+    variants += [dataclasses.replace(big, **{flag: False}) for flag in ALL_FLAGS]
+    return variants
+
+
+def decode_variants() -> list[AttentionLaunch]:
+    """Candidates for DECODE_LAUNCH (15; the tile shrinks to 16 score rows whatever block_m says)."""
+    today = AttentionLaunch()
+    decode_flags = {"k_rows": True, "split_mask": True, "fold_scale": True}  # decode tiles are all equal
+    variants = [today]
+    variants += [dataclasses.replace(today, **{flag: True}) for flag in decode_flags]
+    variants += [
+        AttentionLaunch(loop_stages=2),
+        AttentionLaunch(**decode_flags),
+        AttentionLaunch(loop_stages=2, **decode_flags),
+    ]
+    tiles = [(32, 4, 2), (32, 4, 3), (64, 4, 3), (64, 4, 4), (64, 2, 2), (128, 4, 2), (128, 4, 3)]
+    variants += [AttentionLaunch(block_n=n, num_warps=w, num_stages=s, **decode_flags) for n, w, s in tiles]
+    variants += [AttentionLaunch(block_n=64, num_stages=3, loop_stages=3, **decode_flags)]
+    return variants
+
+
+def precompile(jobs: list[tuple[Problem, AttentionLaunch]]) -> None:
+    """Compiles every variant up front on a thread pool (Triton's compiler and ptxas release the GIL),
+    so the sweep is not 40-odd serial compiles. Uses Triton's private AsyncCompileMode (in 3.6); where it is
+    missing or a compile fails here, the sweep compiles that variant on first use and reports its error.
+    """
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        print("precompile: no AsyncCompileMode in this Triton; compiling variants one by one")
+        return
+    start = time.monotonic()
+    try:
+        with (
+            ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as pool,
+            AsyncCompileMode(pool, ignore_errors=True),
+        ):
+            for problem, launch in jobs:
+                problem.compile(launch)
+    except Exception as exc:  # a private Triton API: never let it stop the sweep
+        print("precompile failed, compiling variants one by one:", _error_line(exc))
+        return
+    print(f"precompile: {len(jobs)} variants in {time.monotonic() - start:.1f} s")
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def _ms_list(names: list[str], times: list[float]) -> str:
+    return "  ".join(f"{n} {ms:.3f} ms" for n, ms in zip(names, times, strict=True))
+
+
+def _error_line(exc: Exception) -> str:
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0][:80] if lines else ''}"
 
 
 def sweep(args, hbm) -> list[dict]:
-    """Times each candidate launch configuration by swapping the launcher's choice for it."""
-    default_block_m, default_config = attention._PREFILL_BLOCK_M, attention._launch_config
-    rows = []
-    try:
-        for block_m in (64, 128):
-            for block_n in (32, 64, 128):
-                for num_warps in (4, 8):
-                    for num_stages in (2, 3):
-                        attention._PREFILL_BLOCK_M = block_m
-                        attention._launch_config = lambda bm, d, c=(block_n, num_warps, num_stages): c
-                        tag = f"M={block_m} N={block_n} w={num_warps} s={num_stages}"
-                        try:
-                            prefill = bench_prefill(1, 8192, 0, args)
-                            decode = bench_decode(64, 4096, 0, args, hbm) if block_m == 64 else {}
-                        except Exception as exc:  # e.g. out of shared memory for this tile
-                            print(tag, "failed:", type(exc).__name__)
-                            continue
-                        row = {"config": tag, "prefill_vs_sdpa": prefill["speed_vs_sdpa"]}
-                        if decode:
-                            row["decode_of_hbm"] = decode["of_hbm"]
-                        rows.append(row)
-    finally:
-        attention._PREFILL_BLOCK_M, attention._launch_config = default_block_m, default_config
+    """Times every variant on every sweep shape; rows print as they finish, so a cut-off log still
+    holds the variants timed so far. Variants that fail (e.g. out of shared memory) are listed too."""
+    only = re.compile(args.only) if args.only else None
+    deadline = time.monotonic() + args.sweep_budget_s
+    prefill = [Problem(b, s, s, 0, args) for b, s in PREFILL_SWEEP]
+    decode = Problem(DECODE_SWEEP[0], 1, DECODE_SWEEP[1], 0, args)
+    # Outputs of the default launch: each variant must reproduce them up to bf16 rounding.
+    prefill_ref = prefill[0].run().clone()
+    decode_ref = decode.run().clone()
+    sdpa = [sdpa_ms(b, s, args) for b, s in PREFILL_SWEEP]
+    names = [f"{'' if b == 1 else f'{b}x'}{s // 1024}k" for b, s in PREFILL_SWEEP]
+    print("flash SDPA:", _ms_list(names, sdpa))
+
+    # Tags show each launch as resolved for its problem (decode shrinks M to the group, warps filled in).
+    group = args.q_heads // args.kv_heads
+    swept = [
+        (kind, launch, problem, attention._launch_config(group, problem.q_len, launch)[1].tag())
+        for kind, variants, problem in (
+            ("prefill", prefill_variants(), prefill[0]),
+            ("decode", decode_variants(), decode),
+        )
+        for launch in variants
+    ]
+    swept = [job for job in swept if only is None or only.search(f"{job[0]} {job[3]}")]
+    precompile([(problem, launch) for _, launch, problem, _ in swept])
+
+    rows: list[dict] = []
+    for kind in ("prefill", "decode"):
+        print(f"\n== {kind} variants (tile as launched: score rows M, keys N, warps, stages)")
+        for launch, tag in ((launch, tag) for k, launch, _, tag in swept if k == kind):
+            row = {"kind": kind, "variant": tag, "launch": dataclasses.asdict(launch)}
+            if time.monotonic() > deadline:
+                row["error"] = "skipped: --sweep-budget-s spent"
+            else:
+                try:
+                    if kind == "prefill":
+                        row["max_diff"] = _max_diff(prefill[0].run(launch), prefill_ref)
+                        for name, problem, ref_ms in zip(names, prefill, sdpa, strict=True):
+                            ms = problem.time_ms(launch)
+                            row[f"{name}_ms"], row[f"{name}_vs_sdpa"] = ms, ref_ms / ms
+                    else:
+                        row["max_diff"] = _max_diff(decode.run(launch), decode_ref)
+                        ms = decode.time_ms(launch)
+                        row["ms"], row["of_hbm"] = ms, decode.kv_bytes() / (ms * 1e-3) / hbm
+                except Exception as exc:  # out of shared memory or registers for this tile, ...
+                    row["error"] = _error_line(exc)
+            rows.append(row)
+            print(format_sweep_row(row, names), flush=True)
+    # SDPA again at the end: a drift between the two readings bounds the clock / thermal noise.
+    sdpa_end = [sdpa_ms(b, s, args) for b, s in PREFILL_SWEEP]
+    print("\nflash SDPA at the end:", _ms_list(names, sdpa_end))
+    print_sorted(rows, names)
+    rows.append({"kind": "sdpa", "shapes": names, "start_ms": sdpa, "end_ms": sdpa_end})
     return rows
+
+
+def format_sweep_row(row: dict, names: list[str]) -> str:
+    head = f"{row['variant']:<72}"
+    if "error" in row:
+        return f"{head} {row['error']}"
+    if row["kind"] == "prefill":
+        cells = [f"{n} {row[f'{n}_ms']:7.3f} ms {row[f'{n}_vs_sdpa']:.3f}x" for n in names]
+    else:
+        cells = [f"{row['ms']:7.3f} ms {row['of_hbm']:.3f} of copy bw"]
+    return f"{head} {'  '.join(cells)}  max_diff {row['max_diff']:.2e}"
+
+
+def print_sorted(rows: list[dict], names: list[str]) -> None:
+    """The same rows again, fastest first (prefill by the 8k time, decode by time): a reading aid."""
+    key8k = f"{names[1]}_ms"
+    timed = [r for r in rows if "error" not in r]
+    print(f"\n== prefill variants by {names[1]} time")
+    for row in sorted((r for r in timed if r["kind"] == "prefill"), key=lambda r: r[key8k]):
+        print(format_sweep_row(row, names))
+    print("\n== decode variants by time")
+    for row in sorted((r for r in timed if r["kind"] == "decode"), key=lambda r: r["ms"]):
+        print(format_sweep_row(row, names))
 
 
 def main() -> None:
@@ -144,24 +332,33 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--json", help="also write the rows to this file")
-    parser.add_argument("--sweep", action="store_true", help="time candidate launch configurations")
+    parser.add_argument("--sweep", action="store_true", help="time the kernel variants first")
+    parser.add_argument("--only", help="sweep only variants whose 'prefill TAG' / 'decode TAG' matches")
+    parser.add_argument(
+        "--sweep-budget-s", type=float, default=150.0, help="start no sweep variant after this many seconds"
+    )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "a GPU benchmark"
 
     hbm = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {hbm / 1e9:.0f} GB/s")
-    rows = sweep(args, hbm) if args.sweep else []
+    sweep_rows = sweep(args, hbm) if args.sweep else []
+    rows = []
     for batch, context in [(1, 8192), (8, 8192), (64, 4096), (256, 2048), (128, 8192)]:
         rows.append(bench_decode(batch, context, 0, args, hbm))
     rows.append(bench_decode(64, 8192, 1024, args, hbm))
     for batch, seq in [(1, 1024), (1, 4096), (4, 4096), (1, 16384)]:
         rows.append(bench_prefill(batch, seq, 0, args))
     rows.append(bench_prefill(1, 16384, 1024, args))
+    print("\n== default launch")
     for row in rows:
         print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{v:<32}" for k, v in row.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}, f, indent=1)
+            payload = {"device": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}
+            if sweep_rows:
+                payload["sweep"] = sweep_rows
+            json.dump(payload, f, indent=1)
     assert all(math.isfinite(r["ms"]) for r in rows if "ms" in r)
 
 

@@ -1,19 +1,36 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU machine, in one call (its device time is scarce): the kernel, model and
-# worker tests compiled on CUDA, then the dispatch and attention benchmarks. From the repo root, with
-# .whl/ carried (../shared/device/make-wheels.sh builds it):
-#   bash bench/gpu_run.sh            # logs go to $OUT (or ./out)
+# Everything that needs the GPU machine (one H200), in one call: the CUDA tests, then every GPU benchmark,
+# logs, JSON and plots into $OUT (or ./out). From the repo root, with .whl/ carried
+# (../shared/device/make-wheels.sh builds it):
+#   bash bench/gpu_run.sh [tests|dispatch|attention|kernels|decode|prefix|throughput ...]   # default: all
 set -o pipefail
 . bench/gpu_setup.sh || exit 1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-echo "== tests (compiled Triton on CUDA)"
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/model tests/worker 2>&1 \
-  | tee "$OUT/gpu_tests.log" | tail -4
-echo "== dispatch: compiled graphs vs actor calls"
-timeout 150 python3 bench/bench_dispatch.py --shards 1 2 4 --gpus-per-shard 0.25 --iters 2000 2>&1 \
-  | tee "$OUT/dispatch.log" | tail -12
-echo "== paged attention"
-timeout 90 python3 bench/bench_attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -14
+parts=${*:-tests dispatch attention kernels decode prefix throughput}
+for part in $parts; do
+  echo "== $part"
+  case $part in
+    tests)  # compiled Triton kernels on CUDA, the model and the worker, the engine's GPU tests
+      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/model tests/worker \
+        tests/engine/test_engine_profile.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
+    dispatch)
+      timeout 150 python3 bench/bench_dispatch.py --shards 1 2 4 --gpus-per-shard 0.25 --iters 2000 2>&1 \
+        | tee "$OUT/dispatch.log" | tail -8 ;;
+    attention)
+      timeout 240 python3 bench/bench_attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -16 ;;
+    kernels)
+      timeout 90 python3 bench/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -14 ;;
+    decode)
+      timeout 200 python3 bench/bench_decode.py --batch 64 --context 2048 --steps 48 --plot "$OUT/decode.png" 2>&1 \
+        | tee "$OUT/decode.log" ;;
+    prefix)
+      timeout 300 python3 bench/bench_prefix.py --plot "$OUT/prefix.png" --json "$OUT/prefix.json" 2>&1 \
+        | tee "$OUT/prefix.log" | tail -16 ;;
+    throughput)
+      timeout 200 python3 bench/bench_throughput.py --plot "$OUT/throughput.png" --json "$OUT/throughput.json" 2>&1 \
+        | tee "$OUT/throughput.log" | tail -25 ;;
+  esac
+done

@@ -9,7 +9,9 @@ there cannot leak in. fp32 accumulation; grouped-query heads (H_q a multiple of 
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -70,6 +72,167 @@ def paged_attention_ref(
 
 
 @triton.jit
+def _load(ptrs, mask, USE_MASK: tl.constexpr):
+    """tl.load, with `mask` (other = 0) only when USE_MASK: a tile known to be in range loads unmasked."""
+    return tl.load(ptrs, mask=mask, other=0.0) if USE_MASK else tl.load(ptrs)
+
+
+@triton.jit
+def _attend_kv_block(
+    acc,  # fp32 [BLOCK_M, BLOCK_D]: unnormalised output so far
+    m_i,  # fp32 [BLOCK_M]: running max of the base-2 scores
+    l_i,  # fp32 [BLOCK_M]: running sum of exp2(score - m_i)
+    q,  # [BLOCK_M, BLOCK_D]
+    kv_start,  # first key position of this block (a multiple of BLOCK_N)
+    q_pos,  # int32 [BLOCK_M]: each score row's query position
+    m_lo,  # int32 [BLOCK_M]: each score row's lowest readable key
+    tile_lo,  # lowest key any row of the tile reads
+    tile_hi,  # one past the highest key any row of the tile reads
+    block_table_row,  # this row's block table
+    stride_bt_col,
+    k_head_ptr,  # the K cache, offset to this program's kv head
+    v_head_ptr,  # the V cache, offset to this program's kv head
+    stride_kb,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vd,
+    offs_d,  # [BLOCK_D]
+    d_valid,  # [BLOCK_D]
+    scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the block is visible to every row (see SPLIT_MASK)
+    K_ROWS: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    """One online-softmax step over keys [kv_start, kv_start + BLOCK_N); returns (acc, m_i, l_i).
+
+    An unmasked block (MASKED False) skips the key bounds on the loads and the per-score visibility test
+    and its -inf guard: in a compute-bound prefill those elementwise ops cost about as much as the two
+    dots, so the bulk of the keys should not pay for them.
+    """
+    k_pos = kv_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    if MASKED:
+        k_valid = (k_pos >= tile_lo) & (k_pos < tile_hi)  # [BLOCK_N]
+        block_ids = tl.load(block_table_row + (k_pos // BLOCK_SIZE) * stride_bt_col, mask=k_valid, other=0)
+        kv_mask = k_valid[:, None] & d_valid[None, :]  # [BLOCK_N, BLOCK_D]
+    else:
+        block_ids = tl.load(block_table_row + (k_pos // BLOCK_SIZE) * stride_bt_col)
+        # Only the head-dim padding can be out of range; broadcast so the mask has the tile's shape.
+        kv_mask = tl.broadcast_to(d_valid[None, :], (BLOCK_N, BLOCK_D))  # [BLOCK_N, BLOCK_D]
+    use_mask: tl.constexpr = MASKED or (HEAD_DIM != BLOCK_D)
+    block_ids = block_ids.to(tl.int64)
+    in_block = k_pos % BLOCK_SIZE
+
+    k_off = block_ids * stride_kb + in_block * stride_ks  # [BLOCK_N]
+    if K_ROWS:
+        # Each key's D values are contiguous in the cache: load whole rows; the dot takes the transpose.
+        k = _load(k_head_ptr + k_off[:, None] + offs_d[None, :] * stride_kd, kv_mask, use_mask)  # [N, D]
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+        k_t = tl.trans(k)  # [BLOCK_D, BLOCK_N]
+    else:
+        k_t = _load(
+            k_head_ptr + k_off[None, :] + offs_d[:, None] * stride_kd, tl.trans(kv_mask), use_mask
+        )  # [BLOCK_D, BLOCK_N]
+        if DOT_IN_FP32:
+            k_t = k_t.to(tl.float32)
+    scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
+    if not FOLD_SCALE:
+        scores = scores * scale_log2
+    if MASKED:
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= m_lo[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+
+    # m_i stays in base-2 units; with FOLD_SCALE the scale rides on the max and on one fma per score.
+    block_max = tl.max(scores, 1) * scale_log2 if FOLD_SCALE else tl.max(scores, 1)  # [BLOCK_M]
+    m_new = tl.maximum(m_i, block_max)
+    # A row that has seen no visible key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN. In
+    # an unmasked block every row saw BLOCK_N finite scores, so m_new is finite already.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
+    base2 = scores * scale_log2 if FOLD_SCALE else scores  # [BLOCK_M, BLOCK_N]; one fma with the shift
+    p = tl.exp2(base2 - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
+    alpha = tl.exp2(m_i - m_shift)  # [BLOCK_M]
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    v_off = block_ids * stride_vb + in_block * stride_vs  # [BLOCK_N]
+    v = _load(v_head_ptr + v_off[:, None] + offs_d[None, :] * stride_vd, kv_mask, use_mask)  # [N, D]
+    if DOT_IN_FP32:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_span(
+    acc,
+    m_i,
+    l_i,
+    q,
+    span_lo,  # first key block start (a multiple of BLOCK_N)
+    span_hi,  # keys up to here
+    MASKED: tl.constexpr,
+    STAGES: tl.constexpr,  # 0: a plain loop; else tl.range(num_stages=STAGES)
+    q_pos,
+    m_lo,
+    tile_lo,
+    tile_hi,
+    block_table_row,
+    stride_bt_col,
+    k_head_ptr,
+    v_head_ptr,
+    stride_kb,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vd,
+    offs_d,
+    d_valid,
+    scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_ROWS: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    """_attend_kv_block over the key blocks of [span_lo, span_hi); returns (acc, m_i, l_i).
+
+    A plain loop is pipelined by the launch's num_stages, which Triton applies to the loads feeding a
+    dot (K and V) only; tl.range(num_stages=...) also pipelines the block-table loads whose ids those
+    K and V addresses need, and num_stages=1 turns pipelining off for a loop of a block or two.
+    """
+    if STAGES > 0:
+        for kv_start in tl.range(span_lo, span_hi, BLOCK_N, num_stages=STAGES):
+            acc, m_i, l_i = _attend_kv_block(
+                acc, m_i, l_i, q, kv_start, q_pos, m_lo, tile_lo, tile_hi, block_table_row, stride_bt_col,
+                k_head_ptr, v_head_ptr, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+                offs_d, d_valid, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, MASKED, K_ROWS,
+                FOLD_SCALE, DOT_PRECISION, DOT_IN_FP32,
+            )  # fmt: skip
+    else:
+        for kv_start in range(span_lo, span_hi, BLOCK_N):
+            acc, m_i, l_i = _attend_kv_block(
+                acc, m_i, l_i, q, kv_start, q_pos, m_lo, tile_lo, tile_hi, block_table_row, stride_bt_col,
+                k_head_ptr, v_head_ptr, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+                offs_d, d_valid, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, MASKED, K_ROWS,
+                FOLD_SCALE, DOT_PRECISION, DOT_IN_FP32,
+            )  # fmt: skip
+    return acc, m_i, l_i
+
+
+# Triton would compile separate copies for batch sizes / windows of 1, multiples of 16 and the rest; these
+# two only bound a binary search and a few compares, so one copy serves all values.
+@triton.jit(do_not_specialize=["num_rows", "sliding_window"])
 def _paged_attention_kernel(
     query_ptr,  # [T, H_q, D]
     k_cache_ptr,  # [num_blocks, block_size, H_kv, D]
@@ -80,6 +243,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # int32 [B]
     kv_floor_ptr,  # int32 [B]; not read when HAS_FLOOR is False
     num_rows,  # B
+    num_kv_heads,  # H_kv; read only when HEAVY_FIRST
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
     sliding_window,  # W; 0 = full attention
     stride_qt,
@@ -106,17 +270,30 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # score rows per program: BLOCK_Q * GROUP, padded to a power of two >= 16
     BLOCK_N: tl.constexpr,  # keys per inner-loop step
     HAS_FLOOR: tl.constexpr,
+    K_ROWS: tl.constexpr,  # load K as [BLOCK_N, BLOCK_D] rows and transpose for the dot
+    SPLIT_MASK: tl.constexpr,  # key blocks every row of the tile fully sees skip the mask
+    FOLD_SCALE: tl.constexpr,  # apply the softmax scale inside exp2's argument (one fma per score)
+    HEAVY_FIRST: tl.constexpr,  # 1-D grid, kv heads fastest, last query tiles (the longest) first
+    LOOP_STAGES: tl.constexpr,  # key loop: 0 = plain loop (launch num_stages), else tl.range(num_stages=)
+    EDGE_STAGES: tl.constexpr,  # the same for SPLIT_MASK's masked loops (a block or two each)
     DOT_PRECISION: tl.constexpr,  # "ieee" keeps fp32 inputs exact (no tf32) on the GPU
     DOT_IN_FP32: tl.constexpr,  # Triton's CPU interpreter gets bf16 tl.dot wrong: upcast there
 ):
     """One program: BLOCK_Q query tokens of one batch row times the GROUP query heads of one kv head.
 
-    Axis 0 enumerates query tiles over the whole batch with no host-side per-row table: row b owns the
-    programs from query_start_loc[b] // BLOCK_Q + b on, at least cdiv(q_len, BLOCK_Q) of them, and a
-    program finds its row by binary search. Surplus programs return at once.
+    The query tiles over the whole batch are numbered with no host-side per-row table: row b owns the
+    tile ids from query_start_loc[b] // BLOCK_Q + b on, at least cdiv(q_len, BLOCK_Q) of them, and a
+    program finds its row by binary search. Surplus tile ids return at once. The grid is (tiles, H_kv),
+    or with HEAVY_FIRST one axis of tiles * H_kv walking the tile ids backwards, so under causal masking
+    the programs with the most keys start first and the cheap ones fill the tail of the launch.
     """
-    tile_id = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEAVY_FIRST:
+        pid = tl.program_id(0)
+        kv_head = pid % num_kv_heads
+        tile_id = tl.num_programs(0) // num_kv_heads - 1 - pid // num_kv_heads
+    else:
+        tile_id = tl.program_id(0)
+        kv_head = tl.program_id(1)
 
     # Last row b whose first tile id query_start_loc[b] // BLOCK_Q + b is <= tile_id.
     lo = tile_id * 0
@@ -159,74 +336,136 @@ def _paged_attention_kernel(
     tile_first_pos = context_len + q_first
     tile_lo = tl.maximum(floor, tl.where(sliding_window > 0, tile_first_pos - sliding_window + 1, 0))
     tile_hi = context_len + tl.minimum(q_first + BLOCK_Q, q_len)
+    kv_first = (tile_lo // BLOCK_N) * BLOCK_N
 
     block_table_row = block_table_ptr + row.to(tl.int64) * stride_bt_row
+    k_head_ptr = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the base-2 scores
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for kv_start in range((tile_lo // BLOCK_N) * BLOCK_N, tile_hi, BLOCK_N):
-        k_pos = kv_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        k_valid = (k_pos >= tile_lo) & (k_pos < tile_hi)
-        block_ids = tl.load(block_table_row + (k_pos // BLOCK_SIZE) * stride_bt_col, mask=k_valid, other=0)
-        block_ids = block_ids.to(tl.int64)
-        in_block = k_pos % BLOCK_SIZE
-        kv_mask = k_valid[:, None] & d_valid[None, :]  # [BLOCK_N, BLOCK_D]
-
-        k_off = block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh  # [BLOCK_N]
-        k_t = tl.load(
-            k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_kd, mask=tl.trans(kv_mask), other=0.0
-        )  # [BLOCK_D, BLOCK_N]
-        if DOT_IN_FP32:
-            k_t = k_t.to(tl.float32)
-        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= m_lo[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        # A row that has seen no visible key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
-        alpha = tl.exp2(m_i - m_shift)  # [BLOCK_M]
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v_off = block_ids * stride_vb + in_block * stride_vs + kv_head * stride_vh  # [BLOCK_N]
-        v = tl.load(
-            v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0
-        )  # [BLOCK_N, BLOCK_D]
-        if DOT_IN_FP32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if SPLIT_MASK:
+        # Keys in [full_lo, tile_first_pos] are visible to every query of the tile: at or below the
+        # first query, and at or above the highest query's window start and the floor. The whole
+        # BLOCK_N blocks inside that range ([mid_lo, mid_hi)) run unmasked; the blocks before them
+        # (window edge) and after them (the causal diagonal) keep the mask. The three spans tile
+        # [kv_first, tile_hi) exactly, in ascending order like the single loop.
+        full_lo = tl.maximum(floor, tl.where(sliding_window > 0, tile_hi - sliding_window, 0))
+        mid_hi = ((tile_first_pos + 1) // BLOCK_N) * BLOCK_N
+        mid_lo = tl.minimum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, mid_hi)
+        acc, m_i, l_i = _attend_span(
+            acc, m_i, l_i, q, kv_first, mid_lo, True, EDGE_STAGES,
+            q_pos, m_lo, tile_lo, tile_hi, block_table_row, stride_bt_col, k_head_ptr, v_head_ptr,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_valid, scale_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, K_ROWS, FOLD_SCALE, DOT_PRECISION, DOT_IN_FP32,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_span(
+            acc, m_i, l_i, q, mid_lo, mid_hi, False, LOOP_STAGES,
+            q_pos, m_lo, tile_lo, tile_hi, block_table_row, stride_bt_col, k_head_ptr, v_head_ptr,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_valid, scale_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, K_ROWS, FOLD_SCALE, DOT_PRECISION, DOT_IN_FP32,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_span(
+            acc, m_i, l_i, q, mid_hi, tile_hi, True, EDGE_STAGES,
+            q_pos, m_lo, tile_lo, tile_hi, block_table_row, stride_bt_col, k_head_ptr, v_head_ptr,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_valid, scale_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, K_ROWS, FOLD_SCALE, DOT_PRECISION, DOT_IN_FP32,
+        )  # fmt: skip
+    else:
+        acc, m_i, l_i = _attend_span(
+            acc, m_i, l_i, q, kv_first, tile_hi, True, LOOP_STAGES,
+            q_pos, m_lo, tile_lo, tile_hi, block_table_row, stride_bt_col, k_head_ptr, v_head_ptr,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_valid, scale_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, K_ROWS, FOLD_SCALE, DOT_PRECISION, DOT_IN_FP32,
+        )  # fmt: skip
 
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + q_token[:, None] * stride_ot + q_head[:, None] * stride_oh
     tl.store(o_ptrs + offs_d[None, :] * stride_od, acc.to(out_ptr.dtype.element_ty), mask=qo_mask)
 
 
-# Score rows per program for prefill tiles (query tokens x heads of one kv group).
-_PREFILL_BLOCK_M = 64
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """How one launch tiles and compiles the kernel: the knobs `bench_attention.py --sweep` times.
 
-
-def _launch_config(block_m: int, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for a tile of block_m score rows.
-
-    From `bench/bench_attention.py --sweep` on an H200 (D = 128, bf16): 64 keys, 4 warps, 2 stages is the
-    best decode choice and within 4% of the best prefill one (128 rows, 8 warps).
+    The flags change speed only, never the result beyond float rounding: the tests run every one.
     """
-    return 64, (4 if block_m <= 64 else 8), 2
+
+    block_m: int = 64  # most score rows per program; a short-query (decode) tile shrinks below this
+    block_n: int = 64  # keys per inner-loop step
+    num_warps: int | None = None  # None: 4 for up to 64 score rows, else 8
+    num_stages: int = 2  # software-pipelining depth of the key loop
+    k_rows: bool = False  # K loaded as contiguous [BLOCK_N, D] rows and transposed for the dot
+    split_mask: bool = False  # fully visible key blocks run without the causal/window/floor mask
+    fold_scale: bool = False  # softmax scale folded into exp2's argument
+    heavy_first: bool = False  # longest (causal) tiles launched first, kv heads of a tile adjacent
+    loop_stages: int | None = None  # key loop as tl.range(num_stages=): also pipelines block-table loads
+    edge_stages: int | None = None  # the same for split_mask's masked loops (None: as the key loop)
+
+    def tag(self) -> str:
+        """A short name for tables: tile, warps, stages, then the flags that are on."""
+        warps = "auto" if self.num_warps is None else self.num_warps
+        parts = [f"M{self.block_m} N{self.block_n} w{warps} s{self.num_stages}"]
+        flags = ("k_rows", "split_mask", "fold_scale", "heavy_first")
+        parts += [name for name in flags if getattr(self, name)]
+        if self.loop_stages is not None:
+            parts.append(f"loop_s{self.loop_stages}")
+        if self.edge_stages is not None:
+            parts.append(f"edge_s{self.edge_stages}")
+        return " ".join(parts)
 
 
-def _tile_shape(group: int, max_query_len: int | None) -> tuple[int, int]:
+# The launcher's defaults: the first for tiles of block_m rows (prefill), the second for tiles that
+# `max_query_len` shrinks below that (decode, short chunks). `bench/bench_attention.py --sweep` times the
+# candidates on a GPU; until its table is read these keep the last tuned choice (64 keys, 4 warps, 2
+# stages, which the previous sweep found best for decode and within 4% of the best prefill tile).
+PREFILL_LAUNCH = AttentionLaunch()
+DECODE_LAUNCH = AttentionLaunch()
+
+
+def _tile_shape(group: int, max_query_len: int | None, max_block_m: int) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_M): query tokens per program and its padded score-row count.
 
     Known short queries (decode) get one token per program with its GROUP heads packed into the rows, so
     a decode step reads each KV tile once for the whole group. Sizes are powers of two (given a
     power-of-two GROUP) so the number of compiled variants stays small.
     """
-    block_m = max(_PREFILL_BLOCK_M, next_pow2(group))
+    block_m = max(max_block_m, next_pow2(group))
     if max_query_len is not None:
         block_m = min(block_m, max(16, next_pow2(max(1, max_query_len) * group)))
     return max(1, block_m // group), block_m
+
+
+def _launch_config(
+    group: int, max_query_len: int | None, launch: AttentionLaunch | None
+) -> tuple[int, AttentionLaunch]:
+    """(BLOCK_Q, the launch with block_m and num_warps resolved) for this call.
+
+    Without an explicit `launch`, a full-size tile takes PREFILL_LAUNCH and a shrunken one DECODE_LAUNCH;
+    an explicit one applies as given (its block_m still caps the tile, which short queries shrink).
+    """
+    return _resolve_launch(group, max_query_len, launch, PREFILL_LAUNCH, DECODE_LAUNCH)
+
+
+@functools.lru_cache(maxsize=512)
+def _resolve_launch(
+    group: int,
+    max_query_len: int | None,
+    launch: AttentionLaunch | None,
+    prefill: AttentionLaunch,
+    decode: AttentionLaunch,
+) -> tuple[int, AttentionLaunch]:
+    """_launch_config's work, cached: it runs on every launch and builds a dataclass."""
+    if launch is None:
+        launch = prefill
+        block_q, block_m = _tile_shape(group, max_query_len, launch.block_m)
+        if block_m < launch.block_m:
+            launch = decode
+            block_q, block_m = _tile_shape(group, max_query_len, launch.block_m)
+    else:
+        block_q, block_m = _tile_shape(group, max_query_len, launch.block_m)
+    num_warps = launch.num_warps if launch.num_warps is not None else (4 if block_m <= 64 else 8)
+    return block_q, replace(launch, block_m=block_m, num_warps=num_warps)
 
 
 def _paged_attention_triton(
@@ -241,7 +480,11 @@ def _paged_attention_triton(
     kv_floor: torch.Tensor | None,  # int32 [B]
     out: torch.Tensor | None,  # [T, H_q, D]
     max_query_len: int | None,
+    launch: AttentionLaunch | None = None,
+    compile_only: bool = False,
 ) -> torch.Tensor:
+    """The Triton path of paged_attention; `compile_only` compiles the kernel for these arguments and
+    launches nothing (a benchmark compiles its variants up front, in parallel)."""
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_q_heads % num_kv_heads:
@@ -252,11 +495,13 @@ def _paged_attention_triton(
     if num_tokens == 0 or num_rows == 0:
         return out
     group = num_q_heads // num_kv_heads
-    block_q, block_m = _tile_shape(group, max_query_len)
-    block_n, num_warps, num_stages = _launch_config(block_m, head_dim)
+    block_q, launch = _launch_config(group, max_query_len, launch)
     # Row b's tiles start at query_start_loc[b] // block_q + b, so this many ids cover every row.
-    grid = (num_tokens // block_q + num_rows, num_kv_heads)
-    _paged_attention_kernel[grid](
+    num_tiles = num_tokens // block_q + num_rows
+    grid = (num_tiles * num_kv_heads,) if launch.heavy_first else (num_tiles, num_kv_heads)
+    kernel = _paged_attention_kernel
+    run = functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
+    run(
         query,
         k_cache,
         v_cache,
@@ -266,6 +511,7 @@ def _paged_attention_triton(
         seq_lens,
         kv_floor if kv_floor is not None else seq_lens,
         num_rows,
+        num_kv_heads,
         scale * _LOG2E,
         sliding_window,
         *query.stride(),
@@ -278,13 +524,19 @@ def _paged_attention_triton(
         BLOCK_SIZE=block_size,
         GROUP=group,
         BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n,
         HAS_FLOOR=kv_floor is not None,
+        K_ROWS=launch.k_rows,
+        SPLIT_MASK=launch.split_mask,
+        FOLD_SCALE=launch.fold_scale,
+        HEAVY_FIRST=launch.heavy_first,
+        LOOP_STAGES=launch.loop_stages or 0,
+        EDGE_STAGES=launch.edge_stages if launch.edge_stages is not None else launch.loop_stages or 0,
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=interpreting() and k_cache.dtype == torch.bfloat16,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     return out
 
@@ -302,13 +554,15 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, H_q, D]
     *,
     max_query_len: int | None = None,
+    launch: AttentionLaunch | None = None,
 ) -> torch.Tensor:
     """One launch for the whole batch; returns `out` (allocated like `query` when None).
 
     The Triton path never reads the device tensors on the host, so it is safe inside CUDA graph capture.
     `max_query_len` (a host int, the longest row's q_len) only picks the tile shape, so any value gives
     the same result: a caller that knows the step is pure decode passes 1 and gets one query token per
-    program instead of a prefill-sized tile.
+    program instead of a prefill-sized tile. `launch` overrides the tiling and kernel variant chosen
+    from PREFILL_LAUNCH / DECODE_LAUNCH (benchmarks and tests); the reference path ignores it.
     """
     if use_triton(query):
         return _paged_attention_triton(
@@ -323,6 +577,7 @@ def paged_attention(
             kv_floor,
             out,
             max_query_len,
+            launch,
         )
     return paged_attention_ref(
         query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, sliding_window, kv_floor, out

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from raystate.kernels._common import PAD_SLOT_ID, cdiv, next_pow2, use_triton
+from raystate.kernels._common import PAD_SLOT_ID, interpreting, reference_forced
 
 
 def compute_slot_mappings_ref(
@@ -65,73 +65,92 @@ def pad_replayed_slots_ref(
         row.masked_fill_(replayed, pad_slot_id)
 
 
-@triton.jit(do_not_specialize=["num_rows", "max_tokens"])
+# Tokens per program of both kernels, and the pad id of compute_slot_mappings: module constants, not kernel
+# parameters (Triton's launch cost grows with every parameter, defaulted constexprs included; a constexpr
+# global costs nothing per launch). 256 spreads an 8k-token step over 32 token blocks (times groups).
+_BLOCK_TOKENS = 256
+_BLOCK = tl.constexpr(_BLOCK_TOKENS)
+_PAD = tl.constexpr(PAD_SLOT_ID)
+
+
+@triton.jit
+def _row_of_tokens(query_start_loc_ptr, tokens, num_rows):
+    """Batch row of each token: the last b in [0, num_rows) with qsl[b] <= token (0 when num_rows is 0).
+
+    A branchless binary search, one vector load per halving (log2 B + 1 of them), so programs are laid out
+    over tokens with no per-row table built on the host. Empty rows (qsl[b] == qsl[b + 1]) are skipped
+    because the last match wins; tokens at or past qsl[B] land on row B - 1 and are masked by the caller.
+    """
+    row = tokens * 0  # int32 [BLOCK]
+    step = num_rows * 0 + 1
+    while step * 2 <= num_rows:  # the largest power of two <= num_rows
+        step = step * 2
+    while step > 0:
+        cand = row + step  # [BLOCK]
+        ok = cand < num_rows
+        start = tl.load(query_start_loc_ptr + cand, mask=ok, other=0)
+        row = tl.where(ok & (start <= tokens), cand, row)
+        step = step // 2
+    return row
+
+
+@triton.jit(do_not_specialize=["out_group_stride", "num_rows", "max_tokens"])
 def _compute_slot_mappings_kernel(
-    slot_mappings_ptr,  # int64 [G, T_max]
-    slot_mappings_group_stride,
-    block_tables_ptr,  # int32 [G, R, M]
-    block_tables_group_stride,
-    block_tables_row_stride,
+    slot_mappings_ptr,  # int64 [G, T_max], unit column stride
+    out_group_stride,
+    block_tables_ptr,  # int32 [G, R, M], unit column stride
     idx_mapping_ptr,  # int32/int64 [>= B]
     query_start_loc_ptr,  # int32 [B + 1]
     positions_ptr,  # int64 [>= T]
     num_rows,
     max_tokens,
-    block_size,
-    pad_slot_id,
-    BLOCK: tl.constexpr,
+    LAYOUT: tl.constexpr,  # (block tables' group stride, their row stride, block size): fixed per model
 ):
-    # Program (g, b) walks row b's tokens in BLOCK steps; the extra program b = B pads [qsl[B], T_max),
-    # so the padded tail is written without the host reading qsl[B].
-    group = tl.program_id(0).to(tl.int64)
-    row = tl.program_id(1)
-    is_row = row < num_rows
-    row_start = tl.load(query_start_loc_ptr + row)
-    row_end = tl.load(query_start_loc_ptr + row + 1, mask=is_row, other=0)
-    row_end = tl.where(is_row, row_end, max_tokens)
-    state_slot = tl.load(idx_mapping_ptr + row, mask=is_row, other=0).to(tl.int64)
-    table_ptr = block_tables_ptr + group * block_tables_group_stride + state_slot * block_tables_row_stride
-    out_ptr = slot_mappings_ptr + group * slot_mappings_group_stride
-    # The row flag as a vector: a scalar bool in a mask trips the interpreter.
-    is_row_vec = (tl.zeros([BLOCK], dtype=tl.int32) + row) < num_rows  # [BLOCK]
-    for block_start in range(row_start, row_end, BLOCK):
-        tokens = block_start + tl.arange(0, BLOCK)  # [BLOCK]
-        in_row = tokens < row_end
-        pos = tl.load(positions_ptr + tokens, mask=in_row & is_row_vec, other=0).to(tl.int64)
-        block_ids = tl.load(table_ptr + pos // block_size, mask=in_row & is_row_vec, other=0).to(tl.int64)
-        slots = tl.where(is_row_vec, block_ids * block_size + pos % block_size, pad_slot_id)
-        tl.store(out_ptr + tokens, slots, mask=in_row)
+    TABLE_GROUP_STRIDE: tl.constexpr = LAYOUT[0]
+    TABLE_ROW_STRIDE: tl.constexpr = LAYOUT[1]
+    BLOCK_SIZE: tl.constexpr = LAYOUT[2]
+    # Program (i, g): tokens [i * _BLOCK, (i + 1) * _BLOCK) of group g. Tokens at or past qsl[B] (graph
+    # padding) get the pad id, so the tail is written without the host reading qsl[B].
+    tokens = tl.program_id(0) * _BLOCK + tl.arange(0, _BLOCK)  # int32 [_BLOCK]
+    group = tl.program_id(1).to(tl.int64)
+    in_buf = tokens < max_tokens
+    is_token = in_buf & (tokens < tl.load(query_start_loc_ptr + num_rows))  # [_BLOCK]
+    row = _row_of_tokens(query_start_loc_ptr, tokens, num_rows)  # [_BLOCK]
+    state_slot = tl.load(idx_mapping_ptr + row, mask=is_token, other=0).to(tl.int64)
+    pos = tl.load(positions_ptr + tokens, mask=is_token, other=0).to(tl.int64)
+    table = block_tables_ptr + group * TABLE_GROUP_STRIDE + state_slot * TABLE_ROW_STRIDE  # [_BLOCK]
+    block_ids = tl.load(table + pos // BLOCK_SIZE, mask=is_token, other=0).to(tl.int64)
+    slots = tl.where(is_token, block_ids * BLOCK_SIZE + pos % BLOCK_SIZE, _PAD)
+    tl.store(slot_mappings_ptr + group * out_group_stride + tokens, slots, mask=in_buf)
 
 
-@triton.jit(do_not_specialize=["num_cacheable", "replay_len", "pad_slot_id"])
+@triton.jit(do_not_specialize=["group_stride", "num_rows"])
 def _pad_replayed_slots_kernel(
-    slot_mappings_ptr,  # int64 [G, T_max]
-    slot_mappings_row_stride,
-    cacheable_groups_ptr,  # int32 [C]
-    num_cacheable,
+    slot_mappings_ptr,  # int64 [G, T_max], unit column stride
+    group_stride,
     query_start_loc_ptr,  # int32 [B + 1]
     positions_ptr,  # int64 [>= T]
     replay_start_ptr,  # int32 [B]
-    replay_len,
-    pad_slot_id,
-    BLOCK: tl.constexpr,
+    num_rows,
+    CONFIG: tl.constexpr,  # (cacheable group indices, replay length P, pad id): fixed per model
 ):
-    # Program (b, i) covers tokens [qsl[b] + i * BLOCK, qsl[b] + (i + 1) * BLOCK) clipped to row b's end:
-    # the grid is sized from T_max on the host, so no program needs qsl[B] before it starts.
-    row = tl.program_id(0)
-    block = tl.program_id(1)
-    row_start = tl.load(query_start_loc_ptr + row)
-    row_end = tl.load(query_start_loc_ptr + row + 1)
-    replay_start = tl.load(replay_start_ptr + row).to(tl.int64)
-    tokens = row_start + block * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    # replay_start == 0 empties the range, so those rows read and write nothing.
-    in_row = tokens < tl.where(replay_start > 0, row_end, row_start)
-    pos = tl.load(positions_ptr + tokens, mask=in_row, other=0).to(tl.int64)
-    replayed = in_row & (pos >= replay_start) & (pos < replay_start + replay_len)  # [BLOCK]
-    pad = tl.zeros([BLOCK], dtype=tl.int64) + pad_slot_id
-    for c in range(num_cacheable):
-        group = tl.load(cacheable_groups_ptr + c).to(tl.int64)
-        tl.store(slot_mappings_ptr + group * slot_mappings_row_stride + tokens, pad, mask=replayed)
+    CACHEABLE_GROUPS: tl.constexpr = CONFIG[0]
+    REPLAY_LEN: tl.constexpr = CONFIG[1]
+    PAD: tl.constexpr = CONFIG[2]
+    # Program i: tokens [i * _BLOCK, (i + 1) * _BLOCK), every cacheable group. The grid is sized from T_max
+    # on the host, so no program needs qsl[B] before it starts.
+    tokens = tl.program_id(0) * _BLOCK + tl.arange(0, _BLOCK)  # int32 [_BLOCK]
+    is_token = tokens < tl.load(query_start_loc_ptr + num_rows)  # [_BLOCK]
+    row = _row_of_tokens(query_start_loc_ptr, tokens, num_rows)  # [_BLOCK]
+    replay_start = tl.load(replay_start_ptr + row, mask=is_token, other=0).to(tl.int64)
+    # replay_start == 0 means no replay for the row: its tokens read no position and write nothing.
+    replaying = is_token & (replay_start > 0)
+    pos = tl.load(positions_ptr + tokens, mask=replaying, other=0).to(tl.int64)
+    replayed = replaying & (pos >= replay_start) & (pos < replay_start + REPLAY_LEN)  # [_BLOCK]
+    pad = tl.full([_BLOCK], PAD, dtype=tl.int64)
+    for c in tl.static_range(len(CACHEABLE_GROUPS)):
+        out = slot_mappings_ptr + CACHEABLE_GROUPS[c] * group_stride.to(tl.int64)
+        tl.store(out + tokens, pad, mask=replayed)
 
 
 def compute_slot_mappings(
@@ -142,81 +161,82 @@ def compute_slot_mappings(
     block_size: int,
     slot_mappings: torch.Tensor,
 ) -> None:
-    """One launch, no host sync: fills all T_max columns of every group's slot mapping in place."""
-    if use_triton(slot_mappings):
-        _compute_slot_mappings_triton(
-            block_tables, idx_mapping, query_start_loc, positions, block_size, slot_mappings
-        )
-    else:
+    """One launch, no host sync: fills all T_max columns of every group's slot mapping in place.
+
+    Runs every step. Programs are laid out over (token block, group), each token finding its row by binary
+    search, so the work spreads evenly whatever the rows' lengths. Triton's dispatch cost grows with every
+    kernel parameter, so what is fixed per model (the block tables' strides, the block size) travels as
+    one constexpr tuple, compiled once per model, and unit column strides are checked, not passed.
+    """
+    # use_triton(slot_mappings), inlined: ~0.1 us less per launch.
+    if reference_forced() or not (slot_mappings.is_cuda or interpreting()):
         compute_slot_mappings_ref(
             block_tables, idx_mapping, query_start_loc, positions, block_size, slot_mappings
         )
-
-
-def _compute_slot_mappings_triton(
-    block_tables, idx_mapping, query_start_loc, positions, block_size, slot_mappings
-) -> None:
-    num_groups, max_tokens = slot_mappings.shape
-    if num_groups == 0 or max_tokens == 0:
         return
-    assert slot_mappings.stride(1) == 1 and block_tables.stride(2) == 1, "rows must be contiguous"
-    num_rows = query_start_loc.shape[0] - 1
-    _compute_slot_mappings_kernel[(num_groups, num_rows + 1)](
-        slot_mappings,
-        slot_mappings.stride(0),
-        block_tables,
-        block_tables.stride(0),
-        block_tables.stride(1),
-        idx_mapping,
-        query_start_loc,
-        positions,
-        num_rows,
-        max_tokens,
-        block_size,
-        PAD_SLOT_ID,
-        BLOCK=min(1024, next_pow2(max_tokens)),
-    )
+    num_groups, max_tokens = slot_mappings.shape
+    out_group_stride, out_col_stride = slot_mappings.stride()
+    table_group_stride, table_row_stride, table_col_stride = block_tables.stride()
+    assert out_col_stride == 1 and table_col_stride == 1, "rows must be contiguous"
+    if num_groups and max_tokens:
+        _launch_slots(
+            slot_mappings,
+            out_group_stride,
+            block_tables,
+            idx_mapping,
+            query_start_loc,
+            positions,
+            query_start_loc.numel() - 1,  # B: query_start_loc is 1-D [B + 1]
+            max_tokens,
+            (table_group_stride, table_row_stride, block_size),
+            grid=((max_tokens + _BLOCK_TOKENS - 1) // _BLOCK_TOKENS, num_groups),
+            warmup=False,
+        )
 
 
 def pad_replayed_slots(
     slot_mappings: torch.Tensor,
-    cacheable_groups: torch.Tensor,
+    cacheable_groups: tuple[int, ...],
     query_start_loc: torch.Tensor,
     positions: torch.Tensor,
     replay_start: torch.Tensor,
     window: int,
     pad_slot_id: int = PAD_SLOT_ID,
 ) -> None:
-    """One launch over the batch's tokens; rows with replay_start 0 are untouched."""
-    if use_triton(slot_mappings):
-        _pad_replayed_slots_triton(
-            slot_mappings, cacheable_groups, query_start_loc, positions, replay_start, window, pad_slot_id
-        )
-    else:
+    """One launch over the batch's tokens, no host sync; rows with replay_start 0 are untouched.
+
+    Launch-bound (a step's replayed tokens are few), so what it costs is Triton's dispatch, which grows
+    with every kernel parameter (binding, specialization key, launcher; a tensor, an int and a constexpr
+    alike). So what is fixed per model travels as one constexpr tuple, compiled once per model: the
+    cacheable groups as host ints (unlike the reference, which takes them as a tensor: a tensor would be
+    one more parameter), the window P and the pad id. Slot mapping rows are assumed contiguous (checked).
+    """
+    # use_triton(slot_mappings), inlined: ~0.1 us less per launch.
+    if reference_forced() or not (slot_mappings.is_cuda or interpreting()):
+        groups = torch.tensor(cacheable_groups, dtype=torch.int32)  # the reference only lists them: host
         pad_replayed_slots_ref(
-            slot_mappings, cacheable_groups, query_start_loc, positions, replay_start, window, pad_slot_id
+            slot_mappings, groups, query_start_loc, positions, replay_start, window, pad_slot_id
+        )
+        return
+    num_rows = replay_start.numel()  # 1-D: numel is the cheapest length
+    group_stride, col_stride = slot_mappings.stride()
+    max_tokens = slot_mappings.shape[1]
+    assert col_stride == 1, "slot mapping rows must be contiguous"
+    if num_rows and cacheable_groups and max_tokens and window > 0:
+        _launch_pad(
+            slot_mappings,
+            group_stride,
+            query_start_loc,
+            positions,
+            replay_start,
+            num_rows,
+            (cacheable_groups, window, pad_slot_id),
+            grid=((max_tokens + _BLOCK_TOKENS - 1) // _BLOCK_TOKENS,),
+            warmup=False,
         )
 
 
-def _pad_replayed_slots_triton(
-    slot_mappings, cacheable_groups, query_start_loc, positions, replay_start, window, pad_slot_id
-) -> None:
-    num_rows = replay_start.shape[0]
-    max_tokens = slot_mappings.shape[1]
-    num_cacheable = cacheable_groups.shape[0]
-    if num_rows == 0 or num_cacheable == 0 or max_tokens == 0 or window <= 0:
-        return
-    assert slot_mappings.stride(1) == 1, "slot mapping rows must be contiguous"
-    block = min(1024, next_pow2(max_tokens))
-    _pad_replayed_slots_kernel[(num_rows, cdiv(max_tokens, block))](
-        slot_mappings,
-        slot_mappings.stride(0),
-        cacheable_groups,
-        num_cacheable,
-        query_start_loc,
-        positions,
-        replay_start,
-        window,
-        pad_slot_id,
-        BLOCK=block,
-    )
+# `kernel.run(..., grid=, warmup=False)` is what `kernel[grid](...)` calls, minus the proxy it builds per
+# launch; bound once here.
+_launch_slots = _compute_slot_mappings_kernel.run
+_launch_pad = _pad_replayed_slots_kernel.run

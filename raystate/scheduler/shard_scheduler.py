@@ -26,16 +26,18 @@ from raystate.scheduler.kv_manager import KVManager
 from raystate.scheduler.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
+_num_scheduled = attrgetter("num_scheduled")
 _by_arrival = attrgetter("arrival")
 
 
 class _InflightStep(NamedTuple):
-    """A message sent and not yet answered: its rows in row order and each row's scheduled tokens."""
+    """A message sent and not yet answered: its rows in row order and, for a lookahead step, each row's
+    scheduled tokens (None: a normal step, whose rows' `num_scheduled` hold them until its answer)."""
 
     step_id: int
     rows: list[Request]
     ids: list[str]
-    counts: list[int]
+    counts: list[int] | None
 
 
 class ShardScheduler:
@@ -120,12 +122,13 @@ class ShardScheduler:
         new_requests = [self._new_request(req) for req in new_rows]
         row_ids = [req.req_id for req in new_rows]
         deltas = []
-        two_groups = len(kv.groups) == 2
+        # Rows without new blocks share one empty value (deltas are only ever encoded, never edited).
+        no_new_blocks = [[] for _ in kv.groups]
         for req in rows:  # the hot loop at high decode batch: keep it flat
             req_id = req.req_id
             new_block_ids = req.new_block_ids
             if new_block_ids is None:
-                new_block_ids = [[], []] if two_groups else [[] for _ in kv.groups]
+                new_block_ids = no_new_blocks
             else:
                 req.new_block_ids = None
             deltas.append(RunningDelta(req_id, new_block_ids, req.num_scheduled))
@@ -140,7 +143,7 @@ class ShardScheduler:
         self._finished_ids = []
         self._preempted_ids = []
         all_rows = new_rows + rows
-        self._inflight.append(_InflightStep(step_id, all_rows, row_ids, [r.num_scheduled for r in all_rows]))
+        self._inflight.append(_InflightStep(step_id, all_rows, row_ids, None))
         return msg
 
     def _schedule_lookahead(self, step_id: int) -> StepMessage | None:
@@ -156,7 +159,8 @@ class ShardScheduler:
         if self.waiting and len(self.running) < self.max_num_seqs:
             return None
         prev = self._inflight[0]
-        in_flight = {req.req_id: n for req, n in zip(prev.rows, prev.counts, strict=True)}
+        prev_counts = prev.counts if prev.counts is not None else map(_num_scheduled, prev.rows)
+        in_flight = {req.req_id: n for req, n in zip(prev.rows, prev_counts, strict=True)}
         rows: list[Request] = []
         counts: list[int] = []  # each row's tokens in flight
         new_blocks = 0
@@ -289,7 +293,10 @@ class ShardScheduler:
         running = _RUNNING
         updates: list[RequestUpdate] = []
         finished: list[Request] = []
-        for req, n, token in zip(step.rows, step.counts, sampled, strict=True):  # the hot loop
+        # A normal step's rows hold their counts in num_scheduled; a lookahead step (which leaves those
+        # alone) lists its own.
+        counts = step.counts if step.counts is not None else map(_num_scheduled, step.rows)
+        for req, n, token in zip(step.rows, counts, sampled, strict=True):  # the hot loop
             if req.status is not running:  # aborted, or finished by the step before (lookahead)
                 continue
             computed = req.num_computed + n

@@ -38,9 +38,8 @@ class HybridModelState:
         self.replay_start = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)  # int32 [R]
         self._replay_start_host = np.zeros(max_num_reqs, dtype=np.int32)
         self.slot_replay_start = np.zeros(max_num_reqs, dtype=np.int64)  # per state slot, host
-        self.cacheable_groups = torch.tensor(
-            [i for i, g in enumerate(groups) if g.prefix_cacheable], dtype=torch.int32, device=device
-        )  # int32 [C]
+        # Host ints: pad_replayed_slots compiles them in (fixed per model) rather than take a tensor.
+        self.cacheable_groups = tuple(i for i, g in enumerate(groups) if g.prefix_cacheable)
 
     def add_request(self, slot: int, replay_start: int) -> None:
         """Holds for all of the request's prefill chunks; decode rows always run with 0."""
@@ -68,7 +67,7 @@ class HybridModelState:
         any_replay = bool(rs_host[:b].any())
         self.replay_start.copy_(torch.from_numpy(rs_host), non_blocking=True)
         rs = self.replay_start[:b]
-        if any_replay and self.replay_tokens > 0 and self.cacheable_groups.numel() > 0:
+        if any_replay and self.replay_tokens > 0 and self.cacheable_groups:
             pad_replayed_slots(
                 slot_mappings,
                 self.cacheable_groups,

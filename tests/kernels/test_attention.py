@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from raystate.kernels import cdiv, paged_attention, paged_attention_ref
+from raystate.kernels.attention import AttentionLaunch, _launch_config
 
 FP32_TOL = 1e-5
 HALF_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -116,8 +117,7 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_random_mixed_batches(seed, device):
+def random_mixed_batch(seed: int, device: str) -> PagedBatch:
     rng = random.Random(seed)
     num_kv_heads = rng.choice([1, 2])
     block_size = rng.choice([16, 32, 64])
@@ -126,7 +126,7 @@ def test_random_mixed_batches(seed, device):
     # Each row is a decode, a whole prompt or a chunk ending at its length.
     q_lens = [rng.choice([1, s, rng.randint(1, s)]) for s in seq_lens]
     floors = [rng.randint(0, s - q) for s, q in zip(seq_lens, q_lens, strict=True)]
-    batch = PagedBatch(
+    return PagedBatch(
         device,
         gen(seed),
         q_lens,
@@ -138,7 +138,11 @@ def test_random_mixed_batches(seed, device):
         window=rng.choice([0, 1, rng.randint(2, 40), 1000]),
         floors=rng.choice([None, floors]),
     )
-    assert_matches_reference(batch)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_mixed_batches(seed, device):
+    assert_matches_reference(random_mixed_batch(seed, device))
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
@@ -294,3 +298,104 @@ def test_compiled_bf16_long_context(window, device):
         dtype=torch.bfloat16,
     )
     assert_matches_reference(batch, tol=HALF_TOL[torch.bfloat16])
+
+
+# Every kernel variant the launcher can pick, on shapes small enough for the interpreter. Small BLOCK_N
+# and BLOCK_M give each tile several key blocks, so SPLIT_MASK's three loops (window edge, fully visible
+# middle, causal diagonal) all run, and many query tiles, so HEAVY_FIRST's reversed order matters.
+ALL_FLAGS = {"k_rows": True, "split_mask": True, "fold_scale": True, "heavy_first": True}
+VARIANTS = {
+    "k_rows": AttentionLaunch(k_rows=True),
+    "split_mask_n16": AttentionLaunch(block_n=16, split_mask=True),
+    "fold_scale": AttentionLaunch(fold_scale=True),
+    "heavy_first": AttentionLaunch(heavy_first=True),
+    "loop_stages": AttentionLaunch(loop_stages=3),
+    "all_m16_n16": AttentionLaunch(block_m=16, block_n=16, **ALL_FLAGS),
+    "all_m128_n32_loop3_edge1": AttentionLaunch(
+        block_m=128, block_n=32, num_warps=8, num_stages=3, loop_stages=3, edge_stages=1, **ALL_FLAGS
+    ),
+    "all_m64_n128": AttentionLaunch(block_n=128, num_stages=4, **ALL_FLAGS),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+class TestVariants:
+    """Each variant against the reference: the flags may only change speed."""
+
+    @pytest.mark.parametrize("seed", [0, 11])
+    def test_random_mixed_batches(self, variant, seed, device):
+        assert_matches_reference(random_mixed_batch(seed, device), launch=VARIANTS[variant])
+
+    @pytest.mark.parametrize("window", [0, 37])
+    def test_long_rows(self, variant, window, device):
+        """A prompt, a chunk resuming mid-sequence and two decodes, with floors: tiles reach past BLOCK_N
+        keys, so fully visible blocks sit between the window edge and the diagonal."""
+        batch = PagedBatch(
+            device,
+            gen(20 + window),
+            [80, 40, 1, 1],
+            [80, 130, 150, 97],
+            num_q_heads=8,
+            num_kv_heads=2,
+            window=window,
+            floors=[0, 19, 70, 0],
+        )
+        launch = VARIANTS[variant]
+        assert_matches_reference(batch, launch=launch)
+        # The decode-tile path (max_query_len=1 shrinks BLOCK_M) stays exact for the single-token rows.
+        decode = PagedBatch(
+            device, gen(21), [1, 1, 1], [150, 97, 33], num_q_heads=8, num_kv_heads=2, window=window
+        )
+        assert_matches_reference(decode, launch=launch, max_query_len=1)
+
+    def test_odd_group_head_dim_and_block_sizes(self, variant, device):
+        """GQA group 3 (padded score rows), D = 48 (padded head dim), blocks of 1 and 64 tokens."""
+        for block_size in (1, 64):
+            batch = PagedBatch(
+                device,
+                gen(22 + block_size),
+                [70, 1, 9],
+                [70, 90, 40],
+                num_q_heads=6,
+                num_kv_heads=2,
+                head_dim=48,
+                block_size=block_size,
+                window=29,
+                floors=[0, 10, 0],
+            )
+            assert_matches_reference(batch, launch=VARIANTS[variant])
+
+    def test_half_precision(self, variant, device):
+        batch = PagedBatch(
+            device, gen(23), [1, 80, 5], [90, 80, 40], dtype=torch.bfloat16, window=50, floors=[0, 0, 4]
+        )
+        assert_matches_reference(batch, tol=HALF_TOL[torch.bfloat16], launch=VARIANTS[variant])
+
+
+def test_launch_config_defaults_and_overrides():
+    """No override: today's tiles (64 rows, 4 warps, decode shrinks to 16 rows). An override keeps its
+    knobs, is still shrunk for short queries, and gets 8 warps for 128 rows when it names none."""
+    block_q, launch = _launch_config(4, None, None)
+    assert (block_q, launch.block_m, launch.block_n, launch.num_warps, launch.num_stages) == (
+        16,
+        64,
+        64,
+        4,
+        2,
+    )
+    assert not (launch.k_rows or launch.split_mask or launch.fold_scale or launch.heavy_first)
+    block_q, launch = _launch_config(4, 1, None)
+    assert (block_q, launch.block_m, launch.num_warps) == (4, 16, 4)
+
+    big = AttentionLaunch(block_m=128, block_n=128, num_stages=3, split_mask=True)
+    block_q, launch = _launch_config(4, 4096, big)
+    assert (block_q, launch.block_m, launch.block_n, launch.num_warps, launch.num_stages) == (
+        32,
+        128,
+        128,
+        8,
+        3,
+    )
+    assert launch.split_mask
+    block_q, launch = _launch_config(4, 1, big)
+    assert (block_q, launch.block_m, launch.block_n) == (4, 16, 128)

@@ -98,3 +98,19 @@ def test_no_host_sync():
     expected = torch.empty_like(lookback)
     gather_lookback_ref(expected, idx_mapping, num_computed, history, 6)
     assert torch.equal(lookback, expected)
+
+
+def test_many_rows_span_several_programs(on_device):
+    """R * D = 1500 ids over several 256-id programs, with rows cut by program boundaries (256 is no
+    multiple of D = 5) and num_reqs ending inside a program: every program's share matches."""
+    gen = torch.Generator().manual_seed(11)
+    num_slots, length, num_rows, depth = 320, 40, 300, 5
+    history = _history(gen, num_slots, length, extra_cols=3)
+    num_computed = torch.randint(0, length + 1, (num_slots,), generator=gen, dtype=torch.int32)
+    num_computed[:4] = torch.tensor([0, 1, 2, 4], dtype=torch.int32)
+    idx_mapping = torch.randperm(num_slots, generator=gen)[:num_rows]
+    lookback = torch.empty(num_rows, depth, dtype=torch.int32)
+    for num_reqs in (0, 51, 217, num_rows):
+        got, expected = _run_both(on_device, lookback, idx_mapping, num_computed, history, num_reqs)
+        assert torch.equal(got, expected)
+        assert got.tolist() == _literal(idx_mapping, num_computed, history, num_reqs, num_rows, depth)

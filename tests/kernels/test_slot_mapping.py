@@ -21,12 +21,15 @@ def _batch(chunks: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _run_both(on_device, slot_mappings, cacheable, qsl, positions, replay_start, window):
-    """Runs the launcher on a device copy and the reference on a CPU copy of the same slot mappings."""
+    """Runs the launcher on a device copy and the reference on a CPU copy of the same slot mappings.
+
+    The launcher takes the cacheable groups as host ints (fixed per model), the reference as a tensor.
+    """
     got = on_device(slot_mappings)
-    args = (cacheable, qsl, positions, replay_start)
-    pad_replayed_slots(got, *(on_device(a) for a in args), window)
+    args = (qsl, positions, replay_start)
+    pad_replayed_slots(got, tuple(cacheable.tolist()), *(on_device(a) for a in args), window)
     expected = slot_mappings.clone()
-    pad_replayed_slots_ref(expected, *args, window)
+    pad_replayed_slots_ref(expected, cacheable, *args, window)
     return got.cpu(), expected
 
 
@@ -165,23 +168,65 @@ def test_slot_mappings_from_block_tables(on_device, seed, idx_dtype):
         assert torch.equal(got.cpu(), want)
 
 
+def test_many_rows_and_long_rows_span_token_blocks(on_device):
+    """Hundreds of rows over several 256-token programs: one row longer than a program, rows cut by
+    program boundaries, empty rows (also first and last) and a padded tail. Each token finds its row by
+    binary search, so this covers searches over a non-power-of-two row count."""
+    gen = torch.Generator().manual_seed(3)
+    chunks = [(0, 0), (5, 600)]  # an empty first row, then one row spanning three programs
+    for _ in range(330):
+        kind = int(torch.randint(0, 10, (1,), generator=gen))
+        start = int(torch.randint(0, 200, (1,), generator=gen))
+        chunks.append(
+            (start, 0 if kind == 0 else 1 if kind < 7 else int(torch.randint(2, 40, (1,), generator=gen)))
+        )
+    chunks.append((9, 0))  # an empty last row
+    qsl, positions = _batch(chunks)
+    num_rows, num_tokens = len(chunks), int(qsl[-1])
+    max_tokens = num_tokens + 77
+    assert max_tokens > 4 * 256
+
+    num_groups, num_slots, max_blocks, block_size = 3, num_rows + 5, 64, 16
+    block_tables = torch.randint(
+        0, 5000, (num_groups, num_slots, max_blocks), generator=gen, dtype=torch.int32
+    )
+    idx_mapping = torch.randperm(num_slots, generator=gen)[:num_rows]
+    got = on_device(torch.randint(0, 9, (num_groups, max_tokens), generator=gen, dtype=torch.int64))
+    args = (block_tables, idx_mapping, qsl, positions)
+    compute_slot_mappings(*(on_device(a) for a in args), block_size, got)
+    expected = torch.empty(num_groups, max_tokens, dtype=torch.int64)
+    compute_slot_mappings_ref(*args, block_size, expected)
+    assert torch.equal(got.cpu(), expected)
+
+    # Every other row replays from somewhere around its chunk; groups 0 and 2 are cacheable.
+    replay_start = torch.tensor(
+        [max(1, start - 3) if b % 2 else 0 for b, (start, _) in enumerate(chunks)], dtype=torch.int32
+    )
+    before = expected
+    got, expected = _run_both(
+        on_device, before, torch.tensor([0, 2], dtype=torch.int32), qsl, positions, replay_start, 6
+    )
+    assert torch.equal(got, expected)
+    changed = got != before
+    assert changed[[0, 2]].sum() > 100 and not changed[1].any()  # many tokens padded, window group kept
+
+
 @pytest.mark.gpu
 def test_no_host_sync():
     qsl, positions = _batch([(14, 3), (30, 4), (25, 6)])
     block_tables = torch.randint(0, 100, (2, 4, 12), dtype=torch.int32, device="cuda")
     idx_mapping = torch.tensor([3, 0, 2], dtype=torch.int32, device="cuda")
-    cacheable = torch.tensor([1], dtype=torch.int32, device="cuda")
     replay_start = torch.tensor([10, 0, 20], dtype=torch.int32, device="cuda")
     qsl, positions = qsl.cuda(), positions.cuda()
     got = torch.zeros(2, 16, dtype=torch.int64, device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
         compute_slot_mappings(block_tables, idx_mapping, qsl, positions, 4, got)
-        pad_replayed_slots(got, cacheable, qsl, positions, replay_start, 8)
+        pad_replayed_slots(got, (1,), qsl, positions, replay_start, 8)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     expected = torch.zeros(2, 16, dtype=torch.int64)
-    cpu = [t.cpu() for t in (block_tables, idx_mapping, qsl, positions, cacheable, replay_start)]
+    cpu = [t.cpu() for t in (block_tables, idx_mapping, qsl, positions, replay_start)]
     compute_slot_mappings_ref(*cpu[:4], 4, expected)
-    pad_replayed_slots_ref(expected, cpu[4], cpu[2], cpu[3], cpu[5], 8)
+    pad_replayed_slots_ref(expected, torch.tensor([1], dtype=torch.int32), cpu[2], cpu[3], cpu[4], 8)
     assert torch.equal(got.cpu(), expected)
