@@ -373,19 +373,21 @@ class TestVariants:
 
 
 def test_launch_config_defaults_and_overrides():
-    """No override: today's tiles (64 rows, 4 warps, decode shrinks to 16 rows). An override keeps its
-    knobs, is still shrunk for short queries, and gets 8 warps for 128 rows when it names none."""
+    """No override: the swept prefill tile (128 x 128, 8 warps, 3 stages, all speed flags); decode shrinks
+    to 16 plain rows. An override keeps its knobs, is still shrunk for short queries, and gets 8 warps for
+    128 rows when it names none."""
     block_q, launch = _launch_config(4, None, None)
     assert (block_q, launch.block_m, launch.block_n, launch.num_warps, launch.num_stages) == (
-        16,
-        64,
-        64,
-        4,
-        2,
+        32,
+        128,
+        128,
+        8,
+        3,
     )
-    assert not (launch.k_rows or launch.split_mask or launch.fold_scale or launch.heavy_first)
+    assert launch.k_rows and launch.split_mask and launch.fold_scale and launch.heavy_first
     block_q, launch = _launch_config(4, 1, None)
     assert (block_q, launch.block_m, launch.num_warps) == (4, 16, 4)
+    assert not (launch.k_rows or launch.split_mask or launch.fold_scale or launch.heavy_first)
 
     big = AttentionLaunch(block_m=128, block_n=128, num_stages=3, split_mask=True)
     block_q, launch = _launch_config(4, 4096, big)
