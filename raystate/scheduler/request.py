@@ -121,7 +121,7 @@ class Request:
         """Appends a sampled token; returns the finish reason it causes, or None.
 
         A stop (EOS unless ignore_eos, or a stop id) wins over the length limit when both hold; the stop
-        token stays in the output.
+        token stays in the output. `ShardScheduler.update` inlines these lines: change both together.
         """
         self.token_ids.append(token_id)
         self.num_tokens += 1
