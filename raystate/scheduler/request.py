@@ -117,20 +117,6 @@ class Request:
         swapped.byteswap()
         return swapped.tobytes()
 
-    def append_output(self, token_id: int) -> str | None:
-        """Appends a sampled token; returns the finish reason it causes, or None.
-
-        A stop (EOS unless ignore_eos, or a stop id) wins over the length limit when both hold; the stop
-        token stays in the output. `ShardScheduler.update` inlines these lines: change both together.
-        """
-        self.token_ids.append(token_id)
-        self.num_tokens += 1
-        if token_id == self.eos_token_id or token_id in self.stop_token_ids:
-            return "stop"
-        if self.num_tokens >= self.max_num_tokens:
-            return "length"
-        return None
-
     @property
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED

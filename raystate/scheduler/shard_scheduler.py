@@ -310,7 +310,8 @@ class ShardScheduler:
                 continue
             if not 0 <= token < vocab:
                 raise ValueError(f"sampled: request {req.req_id!r} got {token}, outside [0, {vocab})")
-            # Request.append_output, inlined (the call is a tenth of this loop at 256 decodes).
+            # Append and finish: a stop (EOS unless ignore_eos, or a stop id) wins over the length limit
+            # when both hold; the stop token stays in the output. Inline: this loop runs per decode row.
             req.token_ids.append(token)
             num_tokens = req.num_tokens = req.num_tokens + 1
             if token == req.eos_token_id or token in req.stop_token_ids:
