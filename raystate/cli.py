@@ -191,6 +191,7 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
         print(f"raystate: {script} not found (raystate bench runs from a source checkout)", file=sys.stderr)
         return 2
     sys.argv = [str(script), *rest]
+    sys.path.insert(0, str(script.parent))  # as `python bench/bench_x.py` would: scripts import each other
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as e:
@@ -252,7 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench", help="run a benchmark script of bench/ (unknown options go to the script)", add_help=False
     )
-    b.add_argument("--suite", default="serve", help="bench/bench_<suite>.py (serve, scheduler, attention)")
+    b.add_argument(
+        "--suite",
+        default="serve",
+        help="bench/bench_<suite>.py: serve, scheduler, dispatch (CPU or GPU); decode, prefix, "
+        "throughput, attention, kernels (GPU)",
+    )
     b.set_defaults(func=_bench)
     return p
 
