@@ -181,13 +181,15 @@ class ShardScheduler:
         if new_blocks and new_blocks > min(kv.num_available()):  # one block per group at most each
             return None
         deltas = []
-        no_blocks = [[] for _ in kv.groups]
+        no_new_blocks = [[] for _ in kv.groups]  # shared, as in `schedule`: deltas are only encoded
         for req, n in zip(rows, counts, strict=True):
             if not kv.allocate(req, n + 1):  # the tokens in flight and this step's one
                 raise RuntimeError(f"lookahead: blocks for {req.req_id!r} ran out after the check")
             new_block_ids = req.new_block_ids
             req.new_block_ids = None
-            deltas.append(RunningDelta(req.req_id, new_block_ids or [ids.copy() for ids in no_blocks], 1))
+            deltas.append(
+                RunningDelta(req.req_id, no_new_blocks if new_block_ids is None else new_block_ids, 1)
+            )
         msg = StepMessage(
             step_id=step_id,
             running=deltas,

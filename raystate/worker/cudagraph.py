@@ -48,13 +48,12 @@ class DecodeGraphs:
         # in pinned memory on CUDA so its copy is asynchronous.
         pin = dev.type == "cuda"
         n = 4 * max_b + 1
-        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)  # int64 [4 Bmax + 1]
         self.staged = torch.zeros(n, dtype=torch.int64, device=dev)  # int64 [4 Bmax + 1]
         self.slot_mappings = torch.empty((len(w.groups), max_b), dtype=torch.int64, device=dev)  # [G, Bmax]
         self.logits = torch.zeros((max_b, w.model.config.vocab_size), dtype=torch.float32, device=dev)
         self.sampled = torch.zeros(max_b, dtype=torch.int64, device=dev)  # greedy ids [Bmax]
         # Two of each host buffer, used in turn: a step may be launched before the last one is finished.
-        self.host_bufs = [self.host, torch.zeros(n, dtype=torch.int64, pin_memory=pin)]
+        self.host_bufs = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]  # [4 Bmax + 1]
         self.sampled_bufs = [torch.zeros(max_b, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -106,10 +105,11 @@ class DecodeGraphs:
 
     def _stage_padding(self) -> None:
         """Every row padding: what capture runs on (nothing a request owns is read or written)."""
-        m, h = self.max_b, self.host.numpy()
+        host = self.host_bufs[self._turn]
+        m, h = self.max_b, host.numpy()
         h[:m] = self.worker.states.scratch_slot
         h[m:] = 0
-        self.staged.copy_(self.host)
+        self.staged.copy_(host)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -153,8 +153,8 @@ class DecodeGraphs:
         b = slots.shape[0]
         size = self.size_for(b)
         self._turn ^= 1
-        self.host = self.host_bufs[self._turn]  # the other step's buffer may still be copying
-        m, h = self.max_b, self.host.numpy()
+        host = self.host_bufs[self._turn]  # the other step's buffer may still be copying
+        m, h = self.max_b, host.numpy()
         h[:b] = slots
         h[b:size] = self.worker.states.scratch_slot
         h[m : m + b] = positions
@@ -164,7 +164,7 @@ class DecodeGraphs:
         qsl = h[3 * m : 3 * m + size + 1]
         qsl[: b + 1] = np.arange(b + 1)
         qsl[b + 1 :] = b  # padding rows: no query tokens
-        self.staged.copy_(self.host, non_blocking=True)
+        self.staged.copy_(host, non_blocking=True)
         graph = self.graphs.get(size)
         if graph is not None:
             graph.replay()

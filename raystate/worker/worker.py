@@ -136,9 +136,9 @@ class Worker:
         states = self.states
         self.block_tables.commit()
         if self.graphs is not None and self.logit_recorder is None:
-            slots = self._graph_decode_rows(rows, num_scheduled)
-            if slots is not None:
-                return self._graph_decode(msg.step_id, rows, slots, t0)
+            decode_rows = self._graph_decode_rows(rows, num_scheduled)
+            if decode_rows is not None:
+                return self._graph_decode(msg.step_id, rows, *decode_rows, t0)
         states.sync_num_computed()
         batch = InputBatch.build(states, rows, num_scheduled)
         lookback = self.model_state.prepare_inputs(batch, states)
@@ -179,10 +179,12 @@ class Worker:
 
     # -- decode steps through a captured graph --------------------------------------------------------
 
-    def _graph_decode_rows(self, rows: list[str], num_scheduled: list[int]) -> np.ndarray | None:
-        """The rows' state slots when the step can replay a graph: every row one decode token that reaches
-        the end of its history (so it samples), past its prefill (no replay floor), within a captured
-        size and below max_model_len. None otherwise (the eager path then runs it, or raises)."""
+    def _graph_decode_rows(
+        self, rows: list[str], num_scheduled: list[int]
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The rows' state slots and positions when the step can replay a graph: every row one decode token
+        that reaches the end of its history (so it samples), past its prefill (no replay floor), within a
+        captured size and below max_model_len. None otherwise (the eager path then runs it, or raises)."""
         b = len(rows)
         if sum(num_scheduled) != b or self.graphs.size_for(b) is None:
             return None
@@ -196,28 +198,29 @@ class Worker:
             or np.any(starts + 1 >= states.max_model_len)
         ):
             return None
-        return slots
+        return slots, starts
 
-    def _graph_decode(self, step_id: int, rows: list[str], slots: np.ndarray, t0: int) -> PendingStep:
+    def _graph_decode(
+        self,
+        step_id: int,
+        rows: list[str],
+        slots: np.ndarray,  # int64 [B]: state slots
+        positions: np.ndarray,  # int64 [B]: each row's query position (its chunk start)
+        t0: int,
+    ) -> PendingStep:
         states = self.states
         graphs = self.graphs
         b = slots.shape[0]
-        positions = states.num_computed[slots]
         if self.profile:
             t_prepared = self._phase_mark()
         graphs.replay(slots, positions)
         if self.profile:
             t_forward = self._phase_mark()
-        params = [states.sampling[s] for s in slots]
-        if all(p.temperature == 0.0 for p in params):
+        if all(states.sampling[s].temperature == 0.0 for s in slots):
             sampled = graphs.sampled[:b]
         else:  # sample on the host side from the graph's logits; overwrite the appended argmax
-            out_pos = (states.num_tokens[slots] - states.num_prompt_tokens[slots]).tolist()
-            sampled = self.sampler(graphs.logits[:b], params, out_pos)
-            dev = self.device
-            states.all_token_ids[torch.from_numpy(slots).to(dev), torch.from_numpy(positions + 1).to(dev)] = (
-                sampled.to(torch.int32)
-            )
+            sampled = self._sample_rows(slots, graphs.logits[:b])
+            self._append_history(slots, positions + 1, sampled)
         host, ready = graphs.copy_sampled(sampled)
         states.num_tokens[slots] += 1
         states.num_computed[slots] += 1
@@ -237,9 +240,7 @@ class Worker:
         """Samples every row, keeps the rows whose chunk reached the end of the history, appends them."""
         states = self.states
         slots = batch.idx_mapping_np
-        params = [states.sampling[s] for s in slots]
-        out_pos = (states.num_tokens[slots] - states.num_prompt_tokens[slots]).tolist()
-        sampled = self.sampler(logits, params, out_pos)  # int64 [B], on the device
+        sampled = self._sample_rows(slots, logits)
         keep = batch.should_sample_np
         if keep.any():
             keep_rows = np.nonzero(keep)[0]
@@ -247,13 +248,24 @@ class Worker:
             kpos = states.num_tokens[kslots]
             if np.any(kpos >= states.max_model_len):
                 raise ValueError(f"max_model_len: a request reached {states.max_model_len} tokens")
-            dev = self.device
-            states.all_token_ids[torch.from_numpy(kslots).to(dev), torch.from_numpy(kpos).to(dev)] = sampled[
-                torch.from_numpy(keep_rows).to(dev)
-            ].to(torch.int32)
+            self._append_history(kslots, kpos, sampled[torch.from_numpy(keep_rows).to(self.device)])
             states.num_tokens[kslots] += 1
         host = sampled.cpu().numpy()
         return np.where(keep, host, -1)
+
+    def _sample_rows(self, slots: np.ndarray, logits: torch.Tensor) -> torch.Tensor:  # int64 [B], device
+        """One id per row from logits fp32 [B, V], with each row's request's sampling parameters."""
+        states = self.states
+        params = [states.sampling[s] for s in slots]
+        out_pos = (states.num_tokens[slots] - states.num_prompt_tokens[slots]).tolist()
+        return self.sampler(logits, params, out_pos)
+
+    def _append_history(self, slots: np.ndarray, positions: np.ndarray, ids: torch.Tensor) -> None:
+        """Writes ids (int [N], on the device) into the token history at (slots, positions), no sync."""
+        dev = self.device
+        self.states.all_token_ids[torch.from_numpy(slots).to(dev), torch.from_numpy(positions).to(dev)] = (
+            ids.to(torch.int32)
+        )
 
     def _record_logits(self, batch: InputBatch, hidden: torch.Tensor) -> None:
         all_logits = self.model.compute_logits(hidden)
