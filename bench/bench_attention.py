@@ -151,6 +151,44 @@ def bench_prefill(batch, seq, window, args) -> dict:
     return row
 
 
+def decode_layouts(args, hbm) -> list[dict]:
+    """Decode on the bench model's heads (16 q / 4 kv of 128): the default launch (one program per row,
+    a window of W <= 128 in one key step) against the previous default (programs per query tile found by
+    binary search, 64-key steps from a 64-aligned start) and the two row-program tiles, each inside a CUDA
+    graph rotating over enough problem copies that every call reads its KV from HBM, not from L2."""
+    from bench_gemm import graph_time_us
+
+    heads = argparse.Namespace(**{**vars(args), "q_heads": 16, "kv_heads": 4, "head_dim": 128})
+    launches = {
+        "default": None,
+        "previous default (search, N64)": AttentionLaunch(),
+        "rows N64": AttentionLaunch(row_programs=True),
+        "rows N128": AttentionLaunch(block_n=128, row_programs=True),
+    }
+    rows = []
+    for batch, context, window in [(64, 2048, 0), (64, 2048, 128), (64, 8192, 128), (256, 2048, 128)]:
+        one = Problem(batch, 1, context, window, heads)
+        copies = [one] + [
+            Problem(batch, 1, context, window, heads) for _ in range(max(1, (160 << 20) // one.kv_bytes()))
+        ]
+        ref = one.run().clone()
+        case = f"decode bench heads B={batch} ctx={context} W={window}"
+        row = {"case": case, "kv_MB": one.kv_bytes() / 1e6}
+        for name, launch in launches.items():
+            diff = (one.run(launch).float() - ref.float()).abs().max().item()
+            assert diff < 2e-2, f"{name}: differs from the default by {diff}"
+            us = graph_time_us(lambda i, L=launch, c=copies: c[i % len(c)].run(L), 2 * len(copies))
+            row[name] = us
+            row[f"{name} of_hbm"] = one.kv_bytes() / (us * 1e-6) / hbm
+        rows.append(row)
+        print(
+            f"{row['case']:<44} "
+            + "  ".join(f"{n}: {row[n]:.2f} us ({row[n + ' of_hbm']:.2f})" for n in launches),
+            flush=True,
+        )
+    return rows
+
+
 def prefill_variants() -> list[AttentionLaunch]:
     """Candidates for PREFILL_LAUNCH (26): today's tile alone and with each flag, then tile shapes with
     every flag on, pipelining hints on a 128-row tile, and that tile with each flag left out."""
@@ -343,6 +381,8 @@ def main() -> None:
     hbm = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {hbm / 1e9:.0f} GB/s")
     sweep_rows = sweep(args, hbm) if args.sweep else []
+    print("\n== decode layouts (us per call in a CUDA graph, share of copy bandwidth)")
+    layout_rows = decode_layouts(args, hbm)
     rows = []
     for batch, context in [(1, 8192), (8, 8192), (64, 4096), (256, 2048), (128, 8192)]:
         rows.append(bench_decode(batch, context, 0, args, hbm))
@@ -355,7 +395,12 @@ def main() -> None:
         print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{v:<32}" for k, v in row.items()))
     if args.json:
         with open(args.json, "w") as f:
-            payload = {"device": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}
+            payload = {
+                "device": torch.cuda.get_device_name(),
+                "args": vars(args),
+                "rows": rows,
+                "decode_layouts": layout_rows,
+            }
             if sweep_rows:
                 payload["sweep"] = sweep_rows
             json.dump(payload, f, indent=1)

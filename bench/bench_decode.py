@@ -11,6 +11,7 @@ step time against its floor: (weight bytes + KV bytes the step must read) / copy
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -19,6 +20,7 @@ import torch
 import triton.testing
 
 from raystate import LLM, SamplingParams
+from raystate.kernels import attention
 
 
 def copy_bandwidth() -> float:
@@ -48,8 +50,11 @@ def decode_floor_bytes(llm: LLM, batch: int, context: int) -> tuple[int, int]:
 
 
 def run(
-    graphs: bool, async_scheduling: bool, batch: int, context: int, steps: int
-) -> tuple[list[float], LLM, list[list[int]]]:
+    graphs: bool, async_scheduling: bool, batch: int, context: int, steps: int, profile_steps: int = 0
+) -> tuple[list[float], LLM, list[list[int]], object]:
+    """Decodes `steps` tokens for `batch` requests; returns the decode step times, the LLM, each request's
+    tokens and, with profile_steps > 0, a torch.profiler run over that many steady decode steps (from
+    the tenth on; those steps' times are then not representative)."""
     max_len = context + steps + 16
     blocks = batch * (-(-max_len // 16) + 1) + 1
     llm = LLM(
@@ -75,17 +80,37 @@ def run(
     # runs at the pace of the slower of host and device, which is the rate a server would see.
     times = []
     last = None
+    prof = None
     while engine.has_unfinished():
         decoding = all(len(v) > 0 for v in tokens.values())
+        if profile_steps and decoding and len(times) == 10 and prof is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            prof = profile(activities=[ProfilerActivity.CUDA])
+            prof.start()
         updates = engine.step()
         now = time.perf_counter()
         if decoding and last is not None:
             times.append(now - last)
+            if prof is not None and len(times) == 10 + profile_steps:
+                torch.cuda.synchronize()
+                prof.stop()
         last = now if decoding else None
         for u in updates:
             tokens[u.req_id].extend(u.new_token_ids)
     torch.cuda.synchronize()
-    return times, llm, [tokens[f"r{i}"] for i in range(batch)]
+    return times, llm, [tokens[f"r{i}"] for i in range(batch)], prof
+
+
+# (label, CUDA graphs, async scheduling, attention decode layout): "previous" runs paged attention's
+# decode steps with the layout before the row-program one (binary search for the row, 64-key steps from a
+# 64-aligned start), side by side with today's.
+CONFIGS = (
+    ("graphs + async", True, True, "default"),
+    ("graphs + async, previous decode attention", True, True, "previous"),
+    ("graphs", True, False, "default"),
+    ("eager", False, False, "default"),
+)
 
 
 def main() -> None:
@@ -94,49 +119,119 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--plot", default="", help="PNG of step time per configuration against the floor")
+    ap.add_argument(
+        "--profile", action="store_true", help="then profile 3 decode steps of the default (one more run)"
+    )
     args = ap.parse_args()
     bw = copy_bandwidth()
     flops = matmul_rate()
     name = torch.cuda.get_device_name(0)
     print(f"{name}: copy {bw / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     results = {}
-    medians: dict[tuple[bool, bool], float] = {}
+    medians: dict[str, float] = {}
     floor = 0.0
-    for graphs, async_scheduling in ((True, True), (True, False), (False, False)):
-        times, llm, toks = run(graphs, async_scheduling, args.batch, args.context, args.steps)
+    for label, graphs, async_scheduling, layout in CONFIGS:
+        with decode_attention_layout(layout):
+            times, llm, toks, _ = run(graphs, async_scheduling, args.batch, args.context, args.steps)
         weights, kv = decode_floor_bytes(llm, args.batch, args.context)
         floor = (weights + kv) / bw
         med = statistics.median(times[2:])
-        results[(graphs, async_scheduling)] = toks
-        medians[(graphs, async_scheduling)] = med
+        results[label] = toks
+        medians[label] = med
         print(
-            f"decode B={args.batch} ctx={args.context} graphs={graphs} async={async_scheduling}: "
-            f"step median {med * 1e3:.3f} ms "
+            f"decode B={args.batch} ctx={args.context} {label}: step median {med * 1e3:.3f} ms "
             f"(p90 {np.percentile(times, 90) * 1e3:.3f}), floor {floor * 1e3:.3f} ms "
             f"(weights {weights / 1e9:.2f} GB + KV {kv / 1e9:.2f} GB), {med / floor:.2f}x the floor, "
-            f"{args.batch / med:.0f} tokens/s"
+            f"{args.batch / med:.0f} tokens/s",
+            flush=True,
         )
         del llm
         torch.cuda.empty_cache()
-    base = results[(False, False)]
-    for key in ((True, True), (True, False)):
-        same = sum(a == b for a, b in zip(results[key], base, strict=True))
-        print(f"graphs={key[0]} async={key[1]} vs eager: {same}/{args.batch} requests with identical tokens")
+    base = results["eager"]
+    for label in medians:
+        if label != "eager":
+            same = sum(a == b for a, b in zip(results[label], base, strict=True))
+            print(f"{label} vs eager: {same}/{args.batch} requests with identical tokens")
+    if args.profile:
+        _, llm, _, prof = run(True, True, args.batch, args.context, args.steps, profile_steps=3)
+        print_profile(prof, 3, llm.engine.worker.model.config.layer_types, floor)
+        del llm
     if args.plot:
         plot(args.plot, medians, floor, args, name)
 
 
-def plot(path: str, medians: dict[tuple[bool, bool], float], floor: float, args, device: str) -> None:
+@contextlib.contextmanager
+def decode_attention_layout(layout: str):
+    """ "previous": paged attention's default decode launches set to the earlier layout for the block."""
+    if layout == "default":
+        yield
+        return
+    saved = attention.DECODE_LAUNCH, attention.DECODE_WINDOW_LAUNCH
+    attention.DECODE_LAUNCH = attention.DECODE_WINDOW_LAUNCH = attention.AttentionLaunch()
+    attention._resolve_launch.cache_clear()
+    try:
+        yield
+    finally:
+        attention.DECODE_LAUNCH, attention.DECODE_WINDOW_LAUNCH = saved
+        attention._resolve_launch.cache_clear()
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's share of the step: GEMM (cuBLAS / CUTLASS), attention, or the small fused kernels."""
+    lowered = name.lower()
+    if any(k in lowered for k in ("gemm", "cutlass", "xmma", "nvjet", "skinny_linear")):
+        return "gemm"
+    if "paged_attention" in lowered:
+        return "attention"
+    return "other"
+
+
+def print_profile(prof, steps: int, layer_types: tuple[str, ...], floor: float) -> None:
+    """Kernel time per decode step by kind (GEMM, attention, the rest) and the largest kernels, from a
+    torch.profiler run over `steps` steady decode steps; then the attention launches of full-attention
+    and sliding-window layers apart."""
+    kernels = [
+        evt
+        for evt in prof.events()
+        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.device_time > 0
+    ]
+    by_name: dict[str, list[float]] = {}
+    kinds: dict[str, float] = {}
+    for evt in kernels:
+        by_name.setdefault(evt.name, []).append(evt.device_time)  # us
+        kinds[kernel_kind(evt.name)] = kinds.get(kernel_kind(evt.name), 0.0) + evt.device_time / steps
+    busy = sum(kinds.values())
+    print(
+        f"profile of {steps} decode steps (graphs + async): kernels {busy / 1e3:.3f} ms per step = "
+        f"{busy * 1e-6 / floor:.2f}x the floor; "
+        + ", ".join(f"{k} {v / 1e3:.3f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    )
+    for name, ts in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:14]:
+        per_call = sum(ts) / len(ts)
+        print(f"  {sum(ts) / steps:8.1f} us/step  {len(ts) // steps:4d} x {per_call:6.2f} us  {name[:90]}")
+    # The profile may start inside a step, so launches are not matched to layers by position: a decode
+    # step's full-attention layers read the whole context and sliding ones W keys, so the longest
+    # num_full / num_layers of the launches are the full-attention ones.
+    attn = sorted(evt.device_time for evt in kernels if kernel_kind(evt.name) == "attention")
+    num_full = round(len(attn) * layer_types.count("full") / len(layer_types))
+    if attn and 0 < num_full < len(attn):
+        sliding, full = attn[:-num_full], attn[-num_full:]
+        print(
+            f"  attention: full-attention layers {statistics.mean(full):.2f} us each, "
+            f"sliding-window layers {statistics.mean(sliding):.2f} us each"
+        )
+
+
+def plot(path: str, medians: dict[str, float], floor: float, args, device: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = {(True, True): "graphs + async", (True, False): "graphs", (False, False): "eager"}
-    fig, ax = plt.subplots(figsize=(7, 4))
-    names = [labels[k] for k in medians]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    names = [label.replace(", ", ",\n") for label in medians]
     ms = [v * 1e3 for v in medians.values()]
-    bars = ax.bar(names, ms, color=["tab:green", "tab:blue", "tab:gray"])
+    bars = ax.bar(names, ms, color=["tab:green", "tab:olive", "tab:blue", "tab:gray"][: len(ms)])
     ax.bar_label(bars, labels=[f"{v:.2f} ms ({v / (floor * 1e3):.1f}x)" for v in ms])
     ax.axhline(floor * 1e3, color="black", linestyle="--", label=f"floor {floor * 1e3:.2f} ms")
     ax.axhline(1.5 * floor * 1e3, color="tab:red", linestyle=":", label="goal: 1.5x the floor")

@@ -12,9 +12,10 @@ Two figures per kernel, each also as a ratio to the empty kernel:
 - device: GPU time per call inside a CUDA graph of LAUNCHES calls (CUDA events around a replay, median
   over replays), i.e. the cost once the host is out of the way, as in a graph-captured decode step.
 Rows marked "diagnostic" split the host cost: "direct" launches the same kernel as `kernel[grid](*args)`
-with the arguments precomputed (Triton's dispatch for that argument list, without our launcher's Python;
-the launchers call `kernel.run` themselves, which skips the proxy `kernel[grid]` builds, so a launcher can
-come out below its direct row). Every launch path is checked against the PyTorch reference first.
+with the arguments precomputed (Triton's own dispatch for that argument list), and "empty via FastLaunch"
+launches the empty kernel the way the launchers launch theirs (`raystate.kernels._launch.FastLaunch`,
+which skips Triton's per-call dispatch once a signature is compiled): the "x fast" column is each row
+against that, like for like. Every launch path is checked against the PyTorch reference first.
 
     python3 bench/bench_kernels.py [--json out.json] [--decode-step-ms 6.859]
     TRITON_INTERPRET=1 python3 bench/bench_kernels.py --smoke    # CPU: tiny sizes, checks the script runs
@@ -48,6 +49,7 @@ from raystate.kernels import (
     pad_replayed_slots_ref,
 )
 from raystate.kernels._common import interpreting
+from raystate.kernels._launch import FastLaunch, fast_launch_enabled
 from raystate.kernels.lookback import _BLOCK_IDS as LOOKBACK_BLOCK
 from raystate.kernels.lookback import _gather_lookback_kernel
 from raystate.kernels.slot_mapping import _BLOCK_TOKENS as SLOT_BLOCK
@@ -58,11 +60,14 @@ HOST_GOAL = 1.3  # x the empty kernel's host cost, for the launch-bound kernels
 ENGRAM_SHARE_GOAL = 0.05  # of a decode step, engram hash + row gather over all engram layers
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # so FastLaunch can relaunch it too (the diagnostic row)
 def _empty_kernel(ptr, n):
     # One program whose only store is masked off (n = 0): the launch and nothing else.
     pid = tl.program_id(0)
     tl.store(ptr + pid, pid, mask=pid < n)
+
+
+_empty_fast = FastLaunch(_empty_kernel, pointer_args=(0,))
 
 
 @dataclass
@@ -314,6 +319,9 @@ def bench_launches(args, device: torch.device) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     flag = torch.zeros(1, dtype=torch.int32, device=device)
     cases = [Case("empty Triton kernel", lambda: _empty_kernel[(1,)](flag, 0))]
+    # The same empty kernel through the launchers' own path: what a launch costs once Triton's per-call
+    # dispatch is gone (like for like with the kernels below when FastLaunch is on).
+    cases.append(Case("  empty via FastLaunch", lambda: _empty_fast((1, 1, 1), flag, 0), diagnostic=True))
     cases += lookback_cases(args.rows, args.depth, args.history, device, gen)
     cases += slot_cases(args.rows, args.chunk, args.groups, [0, 2], args.window, args.block_size, device, gen)
     checked = []
@@ -333,12 +341,14 @@ def bench_launches(args, device: torch.device) -> list[dict]:
     on_cuda = device.type == "cuda"
     dev_us = {c.name: graph_us(c.fn, args.graph_launches, args.replays) for c in cases} if on_cuda else {}
     empty = cases[0].name
+    fast_empty = "  empty via FastLaunch" if "  empty via FastLaunch" in host else empty
     rows = []
     for c in cases:
         row = {
             "case": c.name,
             "host_us": host[c.name],
             "host_x_empty": host[c.name] / host[empty],
+            "host_x_fast_empty": host[c.name] / host[fast_empty],
             "device_us": dev_us.get(c.name),
             "device_x_empty": dev_us[c.name] / dev_us[empty] if on_cuda else None,
             "diagnostic": c.diagnostic,
@@ -425,14 +435,15 @@ def fmt(v) -> str:
 
 
 def print_launches(rows: list[dict]) -> None:
-    head = ["case", "host us", "x empty", "device us", "x empty", "host sync", "goal met"]
-    widths = [46, 9, 8, 10, 8, 10, 8]
+    head = ["case", "host us", "x empty", "x fast", "device us", "x empty", "host sync", "goal met"]
+    widths = [46, 9, 8, 8, 10, 8, 10, 8]
     print("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)))
     for r in rows:
         cells = [
             r["case"] + (" (diagnostic)" if r["diagnostic"] else ""),
             fmt(r["host_us"]),
             fmt(r["host_x_empty"]),
+            fmt(r["host_x_fast_empty"]),
             fmt(r["device_us"]),
             fmt(r["device_x_empty"]),
             r.get("host_sync", "-"),
@@ -494,7 +505,10 @@ def main() -> None:
         f"rounds; device: CUDA graph of {args.graph_launches} calls, CUDA events, median of {args.replays} "
         "replays"
     )
-    print(f"{name}, torch {torch.__version__}, triton {triton.__version__}")
+    print(
+        f"{name}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"FastLaunch {'on' if fast_launch_enabled() else 'off'}"
+    )
     print(f"method: {method}" + ("" if device.type == "cuda" else " (no device timing on the CPU)"))
 
     with torch.inference_mode():  # as the worker runs the model: no autograd records on the hot path

@@ -2,29 +2,34 @@
 # Everything that needs the GPU machine (one H200), in one call: the CUDA tests, then every GPU benchmark,
 # logs, JSON and plots into $OUT (or ./out). From the repo root, with .whl/ carried
 # (../shared/device/make-wheels.sh builds it):
-#   bash bench/gpu_run.sh [tests|dispatch|attention|kernels|decode|prefix|throughput ...]   # default: all
+#   bash bench/gpu_run.sh [tests|dispatch|attention|gemm|kernels|decode|prefix|throughput ...]   # default: all
 set -o pipefail
 . bench/gpu_setup.sh || exit 1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-parts=${*:-tests dispatch attention kernels decode prefix throughput}
+parts=${*:-tests dispatch attention gemm kernels decode prefix throughput}
 for part in $parts; do
   echo "== $part"
   case $part in
-    tests)  # compiled Triton kernels on CUDA, the model and the worker, the engine's GPU tests
-      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/model tests/worker \
-        tests/engine/test_engine_profile.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
+    tests)  # compiled Triton kernels on CUDA, the model and the worker, the engine's GPU tests; 16 processes
+      # (pytest-xdist is on the GPU machine): compiling the kernels for every test shape is most of the time
+      timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rfE --durations=12 -p no:cacheprovider -p no:benchmark -n 16 \
+        --timeout 170 tests/kernels tests/model tests/worker tests/engine/test_engine_profile.py 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -30 ;;
     dispatch)
       timeout 150 python3 bench/bench_dispatch.py --shards 1 2 4 --gpus-per-shard 0.25 --iters 2000 2>&1 \
         | tee "$OUT/dispatch.log" | tail -8 ;;
     attention)
-      timeout 240 python3 bench/bench_attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -16 ;;
+      timeout 240 python3 bench/bench_attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -22 ;;
+    gemm)
+      timeout 120 python3 bench/bench_gemm.py --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" | tail -50 ;;
     kernels)
       timeout 90 python3 bench/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -14 ;;
     decode)
-      timeout 200 python3 bench/bench_decode.py --batch 64 --context 2048 --steps 48 --plot "$OUT/decode.png" 2>&1 \
+      timeout 200 python3 bench/bench_decode.py --batch 64 --context 2048 --steps 48 --profile \
+        --plot "$OUT/decode.png" 2>&1 \
         | tee "$OUT/decode.log" ;;
     prefix)
       timeout 300 python3 bench/bench_prefix.py --plot "$OUT/prefix.png" --json "$OUT/prefix.json" 2>&1 \

@@ -230,6 +230,121 @@ def _attend_span(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _attend_query_tile(
+    query_ptr,
+    out_ptr,
+    q_start,  # the row's first query token in the batch
+    q_len,  # the row's query tokens
+    q_first,  # first query of this tile, within the row
+    seq_len,
+    kv_head,
+    floor,  # the row's lowest readable key (its replay start, or 0)
+    sliding_window,
+    scale_log2,
+    block_table_row,
+    k_head_ptr,
+    v_head_ptr,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_bt_col,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_ROWS: tl.constexpr,
+    SPLIT_MASK: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    EDGE_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    """Queries [q_first, q_first + BLOCK_Q) of one row times the GROUP query heads of one kv head: loads
+    them, runs the online softmax over every key they may read and stores their outputs."""
+    context_len = seq_len - q_len  # position of the row's first query
+
+    # Score row m holds query token q_first + m // GROUP and query head kv_head * GROUP + m % GROUP.
+    offs_m = tl.arange(0, BLOCK_M)
+    q_local = q_first + offs_m // GROUP  # [BLOCK_M]
+    q_head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M]
+    m_valid = (offs_m < BLOCK_Q * GROUP) & (q_local < q_len)  # [BLOCK_M]
+    q_pos = context_len + q_local  # [BLOCK_M]
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM  # [BLOCK_D]
+
+    q_token = (q_start + q_local).to(tl.int64)
+    qo_mask = m_valid[:, None] & d_valid[None, :]  # [BLOCK_M, BLOCK_D]
+    q_ptrs = query_ptr + q_token[:, None] * stride_qt + q_head[:, None] * stride_qh
+    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=qo_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = q.to(tl.float32) if DOT_IN_FP32 else q.to(k_head_ptr.dtype.element_ty)
+
+    # Lowest key each query may read: the floor, raised by the window.
+    m_lo = tl.maximum(q_pos * 0 + floor, tl.where(sliding_window > 0, q_pos - sliding_window + 1, 0))
+    # The tile reads keys in [tile_lo, tile_hi): the union of its queries' ranges, never below the floor.
+    tile_first_pos = context_len + q_first
+    tile_lo = tl.maximum(floor, tl.where(sliding_window > 0, tile_first_pos - sliding_window + 1, 0))
+    tile_hi = context_len + tl.minimum(q_first + BLOCK_Q, q_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the base-2 scores
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if SPLIT_MASK:
+        # Keys in [full_lo, tile_first_pos] are visible to every query of the tile: at or below the
+        # first query, and at or above the highest query's window start and the floor. The whole
+        # BLOCK_N blocks inside that range ([mid_lo, mid_hi)) run unmasked; the blocks before them
+        # (window edge) and after them (the causal diagonal) keep the mask. The three spans tile
+        # [kv_first, tile_hi) exactly, in ascending order like the single loop.
+        kv_first = (tile_lo // BLOCK_N) * BLOCK_N
+        full_lo = tl.maximum(floor, tl.where(sliding_window > 0, tile_hi - sliding_window, 0))
+        mid_hi = ((tile_first_pos + 1) // BLOCK_N) * BLOCK_N
+        mid_lo = tl.minimum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, mid_hi)
+        acc, m_i, l_i = _attend_span(
+            acc, m_i, l_i, q, kv_first, mid_lo, True, EDGE_STAGES,
+            q_pos, m_lo, tile_lo, tile_hi, block_table_row, stride_bt_col, k_head_ptr, v_head_ptr,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_valid, scale_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, K_ROWS, FOLD_SCALE, DOT_PRECISION, DOT_IN_FP32,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_span(
+            acc, m_i, l_i, q, mid_lo, mid_hi, False, LOOP_STAGES,
+            q_pos, m_lo, tile_lo, tile_hi, block_table_row, stride_bt_col, k_head_ptr, v_head_ptr,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_valid, scale_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, K_ROWS, FOLD_SCALE, DOT_PRECISION, DOT_IN_FP32,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_span(
+            acc, m_i, l_i, q, mid_hi, tile_hi, True, EDGE_STAGES,
+            q_pos, m_lo, tile_lo, tile_hi, block_table_row, stride_bt_col, k_head_ptr, v_head_ptr,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_valid, scale_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, K_ROWS, FOLD_SCALE, DOT_PRECISION, DOT_IN_FP32,
+        )  # fmt: skip
+    else:
+        # One masked loop from the tile's lowest key exactly (not rounded down to BLOCK_N): a decode
+        # query's window of W keys then takes cdiv(W, BLOCK_N) steps, not one more.
+        acc, m_i, l_i = _attend_span(
+            acc, m_i, l_i, q, tile_lo, tile_hi, True, LOOP_STAGES,
+            q_pos, m_lo, tile_lo, tile_hi, block_table_row, stride_bt_col, k_head_ptr, v_head_ptr,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_valid, scale_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, K_ROWS, FOLD_SCALE, DOT_PRECISION, DOT_IN_FP32,
+        )  # fmt: skip
+
+    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + q_token[:, None] * stride_ot + q_head[:, None] * stride_oh
+    tl.store(o_ptrs + offs_d[None, :] * stride_od, acc.to(out_ptr.dtype.element_ty), mask=qo_mask)
+
+
 # Triton would compile separate copies for batch sizes / windows of 1, multiples of 16 and the rest; these
 # two only bound a binary search and a few compares, so one copy serves all values.
 @triton.jit(do_not_specialize=["num_rows", "sliding_window"])
@@ -266,122 +381,81 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,  # D padded to a power of two >= 16 (tl.dot's minimum)
     BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block
     GROUP: tl.constexpr,  # query heads per kv head
-    BLOCK_Q: tl.constexpr,  # query tokens per program
-    BLOCK_M: tl.constexpr,  # score rows per program: BLOCK_Q * GROUP, padded to a power of two >= 16
+    BLOCK_Q: tl.constexpr,  # query tokens per program (per tile with ROW_PROGRAMS)
+    BLOCK_M: tl.constexpr,  # score rows per tile: BLOCK_Q * GROUP, padded to a power of two >= 16
     BLOCK_N: tl.constexpr,  # keys per inner-loop step
     HAS_FLOOR: tl.constexpr,
     K_ROWS: tl.constexpr,  # load K as [BLOCK_N, BLOCK_D] rows and transpose for the dot
     SPLIT_MASK: tl.constexpr,  # key blocks every row of the tile fully sees skip the mask
     FOLD_SCALE: tl.constexpr,  # apply the softmax scale inside exp2's argument (one fma per score)
     HEAVY_FIRST: tl.constexpr,  # 1-D grid, kv heads fastest, last query tiles (the longest) first
+    ROW_PROGRAMS: tl.constexpr,  # one program per (row, kv head), looping over the row's query tiles
     LOOP_STAGES: tl.constexpr,  # key loop: 0 = plain loop (launch num_stages), else tl.range(num_stages=)
     EDGE_STAGES: tl.constexpr,  # the same for SPLIT_MASK's masked loops (a block or two each)
     DOT_PRECISION: tl.constexpr,  # "ieee" keeps fp32 inputs exact (no tf32) on the GPU
     DOT_IN_FP32: tl.constexpr,  # Triton's CPU interpreter gets bf16 tl.dot wrong: upcast there
 ):
-    """One program: BLOCK_Q query tokens of one batch row times the GROUP query heads of one kv head.
+    """One program: BLOCK_Q query tokens of one batch row times the GROUP query heads of one kv head, or
+    with ROW_PROGRAMS every query tile of one row (the decode layout: grid (B, H_kv)).
 
-    The query tiles over the whole batch are numbered with no host-side per-row table: row b owns the
-    tile ids from query_start_loc[b] // BLOCK_Q + b on, at least cdiv(q_len, BLOCK_Q) of them, and a
-    program finds its row by binary search. Surplus tile ids return at once. The grid is (tiles, H_kv),
-    or with HEAVY_FIRST one axis of tiles * H_kv walking the tile ids backwards, so under causal masking
-    the programs with the most keys start first and the cheap ones fill the tail of the launch.
+    Without ROW_PROGRAMS the query tiles over the whole batch are numbered with no host-side per-row
+    table: row b owns the tile ids from query_start_loc[b] // BLOCK_Q + b on, at least
+    cdiv(q_len, BLOCK_Q) of them, and a program finds its row by binary search. Surplus tile ids return at
+    once. The grid is (tiles, H_kv), or with HEAVY_FIRST one axis of tiles * H_kv walking the tile ids
+    backwards, so under causal masking the programs with the most keys start first and the cheap ones fill
+    the tail of the launch. A decode step has one query per row, and there the search (log2 B dependent
+    loads) and the surplus programs cost more than the attention over a short window: ROW_PROGRAMS maps
+    program to row directly, and loops over the row's tiles so a longer row is still computed right.
     """
-    if HEAVY_FIRST:
-        pid = tl.program_id(0)
-        kv_head = pid % num_kv_heads
-        tile_id = tl.num_programs(0) // num_kv_heads - 1 - pid // num_kv_heads
-    else:
-        tile_id = tl.program_id(0)
+    if ROW_PROGRAMS:
+        row = tl.program_id(0)
         kv_head = tl.program_id(1)
-
-    # Last row b whose first tile id query_start_loc[b] // BLOCK_Q + b is <= tile_id.
-    lo = tile_id * 0
-    hi = lo + num_rows
-    while lo < hi:
-        mid = (lo + hi) // 2
-        mid_first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        at_or_before = mid_first_tile <= tile_id
-        lo = tl.where(at_or_before, mid + 1, lo)
-        hi = tl.where(at_or_before, hi, mid)
-    row = lo - 1
+    else:
+        if HEAVY_FIRST:
+            pid = tl.program_id(0)
+            kv_head = pid % num_kv_heads
+            tile_id = tl.num_programs(0) // num_kv_heads - 1 - pid // num_kv_heads
+        else:
+            tile_id = tl.program_id(0)
+            kv_head = tl.program_id(1)
+        # Last row b whose first tile id query_start_loc[b] // BLOCK_Q + b is <= tile_id.
+        lo = tile_id * 0
+        hi = lo + num_rows
+        while lo < hi:
+            mid = (lo + hi) // 2
+            mid_first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            at_or_before = mid_first_tile <= tile_id
+            lo = tl.where(at_or_before, mid + 1, lo)
+            hi = tl.where(at_or_before, hi, mid)
+        row = lo - 1
 
     q_start = tl.load(query_start_loc_ptr + row)
     q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
-    q_first = (tile_id - (q_start // BLOCK_Q + row)) * BLOCK_Q  # first query of this tile, within the row
-    if q_first >= q_len:
-        return
     seq_len = tl.load(seq_lens_ptr + row)
-    context_len = seq_len - q_len  # position of the row's first query
-
-    # Score row m holds query token q_first + m // GROUP and query head kv_head * GROUP + m % GROUP.
-    offs_m = tl.arange(0, BLOCK_M)
-    q_local = q_first + offs_m // GROUP  # [BLOCK_M]
-    q_head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M]
-    m_valid = (offs_m < BLOCK_Q * GROUP) & (q_local < q_len)  # [BLOCK_M]
-    q_pos = context_len + q_local  # [BLOCK_M]
-    offs_d = tl.arange(0, BLOCK_D)
-    d_valid = offs_d < HEAD_DIM  # [BLOCK_D]
-
-    q_token = (q_start + q_local).to(tl.int64)
-    qo_mask = m_valid[:, None] & d_valid[None, :]  # [BLOCK_M, BLOCK_D]
-    q_ptrs = query_ptr + q_token[:, None] * stride_qt + q_head[:, None] * stride_qh
-    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=qo_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
-    q = q.to(tl.float32) if DOT_IN_FP32 else q.to(k_cache_ptr.dtype.element_ty)
-
-    # Lowest key each query may read: the floor, raised by the window.
     floor = tl.maximum(tl.load(kv_floor_ptr + row), 0) if HAS_FLOOR else row * 0
-    m_lo = tl.maximum(q_pos * 0 + floor, tl.where(sliding_window > 0, q_pos - sliding_window + 1, 0))
-    # The tile reads keys in [tile_lo, tile_hi): the union of its queries' ranges, never below the floor.
-    tile_first_pos = context_len + q_first
-    tile_lo = tl.maximum(floor, tl.where(sliding_window > 0, tile_first_pos - sliding_window + 1, 0))
-    tile_hi = context_len + tl.minimum(q_first + BLOCK_Q, q_len)
-    kv_first = (tile_lo // BLOCK_N) * BLOCK_N
-
     block_table_row = block_table_ptr + row.to(tl.int64) * stride_bt_row
     k_head_ptr = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head_ptr = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the base-2 scores
-    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if SPLIT_MASK:
-        # Keys in [full_lo, tile_first_pos] are visible to every query of the tile: at or below the
-        # first query, and at or above the highest query's window start and the floor. The whole
-        # BLOCK_N blocks inside that range ([mid_lo, mid_hi)) run unmasked; the blocks before them
-        # (window edge) and after them (the causal diagonal) keep the mask. The three spans tile
-        # [kv_first, tile_hi) exactly, in ascending order like the single loop.
-        full_lo = tl.maximum(floor, tl.where(sliding_window > 0, tile_hi - sliding_window, 0))
-        mid_hi = ((tile_first_pos + 1) // BLOCK_N) * BLOCK_N
-        mid_lo = tl.minimum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, mid_hi)
-        acc, m_i, l_i = _attend_span(
-            acc, m_i, l_i, q, kv_first, mid_lo, True, EDGE_STAGES,
-            q_pos, m_lo, tile_lo, tile_hi, block_table_row, stride_bt_col, k_head_ptr, v_head_ptr,
-            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_valid, scale_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, K_ROWS, FOLD_SCALE, DOT_PRECISION, DOT_IN_FP32,
-        )  # fmt: skip
-        acc, m_i, l_i = _attend_span(
-            acc, m_i, l_i, q, mid_lo, mid_hi, False, LOOP_STAGES,
-            q_pos, m_lo, tile_lo, tile_hi, block_table_row, stride_bt_col, k_head_ptr, v_head_ptr,
-            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_valid, scale_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, K_ROWS, FOLD_SCALE, DOT_PRECISION, DOT_IN_FP32,
-        )  # fmt: skip
-        acc, m_i, l_i = _attend_span(
-            acc, m_i, l_i, q, mid_hi, tile_hi, True, EDGE_STAGES,
-            q_pos, m_lo, tile_lo, tile_hi, block_table_row, stride_bt_col, k_head_ptr, v_head_ptr,
-            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_valid, scale_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, K_ROWS, FOLD_SCALE, DOT_PRECISION, DOT_IN_FP32,
-        )  # fmt: skip
+    if ROW_PROGRAMS:
+        for q_first in range(0, q_len, BLOCK_Q):  # once for a decode row
+            _attend_query_tile(
+                query_ptr, out_ptr, q_start, q_len, q_first, seq_len, kv_head, floor, sliding_window,
+                scale_log2, block_table_row, k_head_ptr, v_head_ptr, stride_qt, stride_qh, stride_qd,
+                stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_ot, stride_oh,
+                stride_od, stride_bt_col, HEAD_DIM, BLOCK_D, BLOCK_SIZE, GROUP, BLOCK_Q, BLOCK_M, BLOCK_N,
+                K_ROWS, SPLIT_MASK, FOLD_SCALE, LOOP_STAGES, EDGE_STAGES, DOT_PRECISION, DOT_IN_FP32,
+            )  # fmt: skip
     else:
-        acc, m_i, l_i = _attend_span(
-            acc, m_i, l_i, q, kv_first, tile_hi, True, LOOP_STAGES,
-            q_pos, m_lo, tile_lo, tile_hi, block_table_row, stride_bt_col, k_head_ptr, v_head_ptr,
-            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_valid, scale_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, K_ROWS, FOLD_SCALE, DOT_PRECISION, DOT_IN_FP32,
+        q_first = (tile_id - (q_start // BLOCK_Q + row)) * BLOCK_Q  # this tile's first query in the row
+        if q_first >= q_len:
+            return
+        _attend_query_tile(
+            query_ptr, out_ptr, q_start, q_len, q_first, seq_len, kv_head, floor, sliding_window,
+            scale_log2, block_table_row, k_head_ptr, v_head_ptr, stride_qt, stride_qh, stride_qd,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_ot, stride_oh,
+            stride_od, stride_bt_col, HEAD_DIM, BLOCK_D, BLOCK_SIZE, GROUP, BLOCK_Q, BLOCK_M, BLOCK_N,
+            K_ROWS, SPLIT_MASK, FOLD_SCALE, LOOP_STAGES, EDGE_STAGES, DOT_PRECISION, DOT_IN_FP32,
         )  # fmt: skip
-
-    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + q_token[:, None] * stride_ot + q_head[:, None] * stride_oh
-    tl.store(o_ptrs + offs_d[None, :] * stride_od, acc.to(out_ptr.dtype.element_ty), mask=qo_mask)
 
 
 @dataclass(frozen=True)
@@ -401,12 +475,15 @@ class AttentionLaunch:
     heavy_first: bool = False  # longest (causal) tiles launched first, kv heads of a tile adjacent
     loop_stages: int | None = None  # key loop as tl.range(num_stages=): also pipelines block-table loads
     edge_stages: int | None = None  # the same for split_mask's masked loops (None: as the key loop)
+    # One program per (row, kv head) over the row's query tiles, no search for the row: the decode layout.
+    # The default launches use it only where one tile holds every row's queries (max_query_len known).
+    row_programs: bool = False
 
     def tag(self) -> str:
         """A short name for tables: tile, warps, stages, then the flags that are on."""
         warps = "auto" if self.num_warps is None else self.num_warps
         parts = [f"M{self.block_m} N{self.block_n} w{warps} s{self.num_stages}"]
-        flags = ("k_rows", "split_mask", "fold_scale", "heavy_first")
+        flags = ("k_rows", "split_mask", "fold_scale", "heavy_first", "row_programs")
         parts += [name for name in flags if getattr(self, name)]
         if self.loop_stages is not None:
             parts.append(f"loop_s{self.loop_stages}")
@@ -421,8 +498,11 @@ class AttentionLaunch:
 # keys, 8 warps, 3 stages, K as rows, unmasked interior blocks, folded scale, heaviest tiles first runs
 # at 1.18 / 1.10 / 1.07 / 1.04x flash SDPA (4k / 8k / 16k / 4 x 4k), the old 64 x 64 tile at 0.80 /
 # 0.77 / 0.76 / 0.77x. (Triton plans to stop fusing the folded scale's multiply-add by default; that
-# would cost speed, never correctness.) Decode: the plain 16-row tile is within 0.5% of the best variant
-# (0.96 of copy bandwidth at batch 64, 4k); the prefill flags only add registers there.
+# would cost speed, never correctness.) Decode: one program per (row, kv head) with 128-key steps; on the
+# bench model's heads (16 q / 4 kv of 128) at batch 64, 2k context that is 75.7 us against 97.2 us for
+# 64-key steps and 99.7 us for the earlier tile-search layout, and over a 128-key window 64-key steps are
+# as fast (11.3 us at B = 64) and faster at B = 256 (27.7 against 33.2 us): `bench_attention.py`'s decode
+# layouts, H200 (bench/results/attention.log). The prefill flags only add registers there.
 PREFILL_LAUNCH = AttentionLaunch(
     block_m=128,
     block_n=128,
@@ -433,7 +513,10 @@ PREFILL_LAUNCH = AttentionLaunch(
     fold_scale=True,
     heavy_first=True,
 )
-DECODE_LAUNCH = AttentionLaunch()
+DECODE_LAUNCH = AttentionLaunch(block_n=128, row_programs=True)
+# Decode over a sliding window of at most 128 keys (two 64-key steps from the window's first key).
+DECODE_WINDOW_LAUNCH = AttentionLaunch(block_n=64, row_programs=True)
+WINDOW_LAUNCH_MAX = 128
 
 
 def _tile_shape(group: int, max_query_len: int | None, max_block_m: int) -> tuple[int, int]:
@@ -450,14 +533,30 @@ def _tile_shape(group: int, max_query_len: int | None, max_block_m: int) -> tupl
 
 
 def _launch_config(
-    group: int, max_query_len: int | None, launch: AttentionLaunch | None
+    group: int,
+    max_query_len: int | None,
+    launch: AttentionLaunch | None,
+    sliding_window: int = 0,
+    key_row_bytes: int = 0,
+    smem_limit: int | None = None,
 ) -> tuple[int, AttentionLaunch]:
     """(BLOCK_Q, the launch with block_m and num_warps resolved) for this call.
 
-    Without an explicit `launch`, a full-size tile takes PREFILL_LAUNCH and a shrunken one DECODE_LAUNCH;
-    an explicit one applies as given (its block_m still caps the tile, which short queries shrink).
+    Without an explicit `launch`, a full-size tile takes PREFILL_LAUNCH and a shrunken one DECODE_LAUNCH
+    (DECODE_WINDOW_LAUNCH for a short window), in the row-program layout only when one tile holds the
+    longest row's queries, and made to fit `smem_limit` bytes of shared memory for keys of
+    `key_row_bytes` (the defaults are sized for bf16: fp32 caches of D = 128 would not compile); an
+    explicit one applies as given (its block_m still caps the tile, which short queries shrink).
     """
-    return _resolve_launch(group, max_query_len, launch, PREFILL_LAUNCH, DECODE_LAUNCH)
+    decode = DECODE_WINDOW_LAUNCH if 0 < sliding_window <= WINDOW_LAUNCH_MAX else DECODE_LAUNCH
+    return _resolve_launch(group, max_query_len, launch, PREFILL_LAUNCH, decode, key_row_bytes, smem_limit)
+
+
+def _key_loop_smem(launch: AttentionLaunch, key_row_bytes: int) -> int:
+    """A bound on the shared memory the pipelined key loop takes: max(num_stages, 2) buffered K and V
+    tiles. (Triton 3.6 asked 262656 bytes for 128-key fp32 tiles of D = 128 at 3 stages and 262144 at 2,
+    of the H200's 232448; the bf16 defaults stay within it as tuned.)"""
+    return max(launch.num_stages, 2) * 2 * launch.block_n * key_row_bytes
 
 
 @functools.lru_cache(maxsize=512)
@@ -467,6 +566,8 @@ def _resolve_launch(
     launch: AttentionLaunch | None,
     prefill: AttentionLaunch,
     decode: AttentionLaunch,
+    key_row_bytes: int = 0,
+    smem_limit: int | None = None,
 ) -> tuple[int, AttentionLaunch]:
     """_launch_config's work, cached: it runs on every launch and builds a dataclass."""
     if launch is None:
@@ -475,10 +576,32 @@ def _resolve_launch(
         if block_m < launch.block_m:
             launch = decode
             block_q, block_m = _tile_shape(group, max_query_len, launch.block_m)
+            if launch.row_programs and not (max_query_len is not None and max_query_len <= block_q):
+                launch = replace(launch, row_programs=False)  # rows of several tiles: spread them out
+        # Fewer stages first (down to 2), then fewer keys per step, until the key loop fits.
+        while smem_limit is not None and _key_loop_smem(launch, key_row_bytes) > smem_limit:
+            if launch.num_stages > 2:
+                launch = replace(launch, num_stages=launch.num_stages - 1)
+            elif launch.block_n > 16:
+                launch = replace(launch, block_n=launch.block_n // 2)
+            else:
+                break
     else:
         block_q, block_m = _tile_shape(group, max_query_len, launch.block_m)
     num_warps = launch.num_warps if launch.num_warps is not None else (4 if block_m <= 64 else 8)
     return block_q, replace(launch, block_m=block_m, num_warps=num_warps)
+
+
+@functools.lru_cache(maxsize=16)
+def _shared_memory_limit(device_index: int) -> int:
+    """Bytes of shared memory a program may take on this GPU, less 8 KiB for the kernel's own scratch."""
+    props = torch.cuda.get_device_properties(device_index)
+    limit = getattr(props, "shared_memory_per_block_optin", 0)
+    if not limit:  # an older torch: ask Triton's driver
+        import triton.runtime
+
+        limit = triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+    return int(limit) - 8192
 
 
 def _paged_attention_triton(
@@ -508,10 +631,17 @@ def _paged_attention_triton(
     if num_tokens == 0 or num_rows == 0:
         return out
     group = num_q_heads // num_kv_heads
-    block_q, launch = _launch_config(group, max_query_len, launch)
-    # Row b's tiles start at query_start_loc[b] // block_q + b, so this many ids cover every row.
-    num_tiles = num_tokens // block_q + num_rows
-    grid = (num_tiles * num_kv_heads,) if launch.heavy_first else (num_tiles, num_kv_heads)
+    block_d = max(16, next_pow2(head_dim))
+    smem = None if interpreting() else _shared_memory_limit(k_cache.device.index or 0)
+    block_q, launch = _launch_config(
+        group, max_query_len, launch, sliding_window, block_d * k_cache.element_size(), smem
+    )
+    if launch.row_programs:
+        grid = (num_rows, num_kv_heads)
+    else:
+        # Row b's tiles start at query_start_loc[b] // block_q + b, so this many ids cover every row.
+        num_tiles = num_tokens // block_q + num_rows
+        grid = (num_tiles * num_kv_heads,) if launch.heavy_first else (num_tiles, num_kv_heads)
     kernel = _paged_attention_kernel
     run = functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
     run(
@@ -533,7 +663,7 @@ def _paged_attention_triton(
         *out.stride(),
         *block_table.stride(),
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, next_pow2(head_dim)),
+        BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
         GROUP=group,
         BLOCK_Q=block_q,
@@ -543,7 +673,8 @@ def _paged_attention_triton(
         K_ROWS=launch.k_rows,
         SPLIT_MASK=launch.split_mask,
         FOLD_SCALE=launch.fold_scale,
-        HEAVY_FIRST=launch.heavy_first,
+        HEAVY_FIRST=launch.heavy_first and not launch.row_programs,
+        ROW_PROGRAMS=launch.row_programs,
         LOOP_STAGES=launch.loop_stages or 0,
         EDGE_STAGES=launch.edge_stages if launch.edge_stages is not None else launch.loop_stages or 0,
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",

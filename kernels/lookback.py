@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from raystate.kernels._common import interpreting, reference_forced
+from raystate.kernels._launch import FastLaunch
 
 # Lookback ids per program: a module constant, not a kernel parameter (Triton's launch cost grows with
 # every parameter, defaulted constexprs included; a constexpr global costs nothing per launch).
@@ -75,10 +76,10 @@ def gather_lookback(
 ) -> None:
     """One launch, no host sync: fills all R rows of `lookback` in place.
 
-    Launch-bound (a few thousand ids), so what it costs is Triton's dispatch, which grows with every kernel
-    parameter (binding, specialization key, launcher; about as much for a constexpr as for a tensor). So
-    the kernel takes the four tensors, `num_reqs` and one constexpr tuple of what is fixed per model (D,
-    the history's row stride, R * D: compiled once per model); unit strides are assumed (`lookback`
+    Launch-bound (a few thousand ids), so what it costs is its launch: `FastLaunch` relaunches the compiled
+    kernel without Triton's per-call dispatch, and the launcher passes as few parameters as it can (each
+    one costs): the four tensors, `num_reqs` and one constexpr tuple of what is fixed per model (D, the
+    history's row stride, R * D: compiled once per model); unit strides are assumed (`lookback`
     contiguous, history rows contiguous) and checked here, not passed. Nothing is read from the device.
     """
     # use_triton(lookback), inlined: ~0.1 us less per launch.
@@ -91,17 +92,15 @@ def gather_lookback(
     num_ids = num_rows * depth
     if num_ids:
         _launch_gather(
+            ((num_ids + _BLOCK_IDS - 1) // _BLOCK_IDS, 1, 1),
             lookback,
             idx_mapping,
             num_computed_tokens,
             all_token_ids,
             num_reqs,
             (depth, ids_row_stride, num_ids),
-            grid=((num_ids + _BLOCK_IDS - 1) // _BLOCK_IDS,),
-            warmup=False,
         )
 
 
-# `kernel.run(..., grid=, warmup=False)` is what `kernel[grid](...)` calls, minus the proxy it builds per
-# launch; bound once here.
-_launch_gather = _gather_lookback_kernel.run
+# The compiled kernel relaunched without Triton's per-call dispatch once its signature is known.
+_launch_gather = FastLaunch(_gather_lookback_kernel, pointer_args=(0, 1, 2, 3))

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from raystate.kernels._common import PAD_SLOT_ID, interpreting, reference_forced
+from raystate.kernels._launch import FastLaunch
 
 
 def compute_slot_mappings_ref(
@@ -164,9 +165,10 @@ def compute_slot_mappings(
     """One launch, no host sync: fills all T_max columns of every group's slot mapping in place.
 
     Runs every step. Programs are laid out over (token block, group), each token finding its row by binary
-    search, so the work spreads evenly whatever the rows' lengths. Triton's dispatch cost grows with every
-    kernel parameter, so what is fixed per model (the block tables' strides, the block size) travels as
-    one constexpr tuple, compiled once per model, and unit column strides are checked, not passed.
+    search, so the work spreads evenly whatever the rows' lengths. It is relaunched through `FastLaunch`,
+    and its launch cost still grows with every kernel parameter, so what is fixed per model (the block
+    tables' strides, the block size) travels as one constexpr tuple, compiled once per model, and unit
+    column strides are checked, not passed.
     """
     # use_triton(slot_mappings), inlined: ~0.1 us less per launch.
     if reference_forced() or not (slot_mappings.is_cuda or interpreting()):
@@ -180,6 +182,7 @@ def compute_slot_mappings(
     assert out_col_stride == 1 and table_col_stride == 1, "rows must be contiguous"
     if num_groups and max_tokens:
         _launch_slots(
+            ((max_tokens + _BLOCK_TOKENS - 1) // _BLOCK_TOKENS, num_groups, 1),
             slot_mappings,
             out_group_stride,
             block_tables,
@@ -189,8 +192,6 @@ def compute_slot_mappings(
             query_start_loc.numel() - 1,  # B: query_start_loc is 1-D [B + 1]
             max_tokens,
             (table_group_stride, table_row_stride, block_size),
-            grid=((max_tokens + _BLOCK_TOKENS - 1) // _BLOCK_TOKENS, num_groups),
-            warmup=False,
         )
 
 
@@ -205,9 +206,9 @@ def pad_replayed_slots(
 ) -> None:
     """One launch over the batch's tokens, no host sync; rows with replay_start 0 are untouched.
 
-    Launch-bound (a step's replayed tokens are few), so what it costs is Triton's dispatch, which grows
-    with every kernel parameter (binding, specialization key, launcher; a tensor, an int and a constexpr
-    alike). So what is fixed per model travels as one constexpr tuple, compiled once per model: the
+    Launch-bound (a step's replayed tokens are few), so what it costs is its launch (through `FastLaunch`,
+    without Triton's per-call dispatch), which grows with every kernel parameter (a tensor, an int and a
+    constexpr alike). So what is fixed per model travels as one constexpr tuple, compiled once per model: the
     cacheable groups as host ints (unlike the reference, which takes them as a tensor: a tensor would be
     one more parameter), the window P and the pad id. Slot mapping rows are assumed contiguous (checked).
     """
@@ -224,6 +225,7 @@ def pad_replayed_slots(
     assert col_stride == 1, "slot mapping rows must be contiguous"
     if num_rows and cacheable_groups and max_tokens and window > 0:
         _launch_pad(
+            ((max_tokens + _BLOCK_TOKENS - 1) // _BLOCK_TOKENS, 1, 1),
             slot_mappings,
             group_stride,
             query_start_loc,
@@ -231,12 +233,9 @@ def pad_replayed_slots(
             replay_start,
             num_rows,
             (cacheable_groups, window, pad_slot_id),
-            grid=((max_tokens + _BLOCK_TOKENS - 1) // _BLOCK_TOKENS,),
-            warmup=False,
         )
 
 
-# `kernel.run(..., grid=, warmup=False)` is what `kernel[grid](...)` calls, minus the proxy it builds per
-# launch; bound once here.
-_launch_slots = _compute_slot_mappings_kernel.run
-_launch_pad = _pad_replayed_slots_kernel.run
+# The compiled kernels relaunched without Triton's per-call dispatch once their signatures are known.
+_launch_slots = FastLaunch(_compute_slot_mappings_kernel, pointer_args=(0, 2, 3, 4, 5))
+_launch_pad = FastLaunch(_pad_replayed_slots_kernel, pointer_args=(0, 2, 3, 4))

@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--suite",
         default="serve",
         help="bench/bench_<suite>.py: serve, scheduler, dispatch (CPU or GPU); decode, prefix, "
-        "throughput, attention, kernels (GPU)",
+        "throughput, attention, gemm, kernels (GPU)",
     )
     b.set_defaults(func=_bench)
     return p

@@ -191,6 +191,9 @@ class CacheConfig:
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     swa_bounded_replay: bool = True
+    # Requests admitted in one step with the same replayed hit rebuild its window once: the first
+    # replays it, the others borrow its window blocks and start at the hit (KVManager.admit_chunk).
+    share_replay: bool = True
 
     def __post_init__(self) -> None:
         _check(

@@ -62,6 +62,7 @@ class LLM:
         device: str = "cpu",
         enable_prefix_caching: bool = True,
         swa_bounded_replay: bool = True,
+        share_replay: bool = True,
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
@@ -83,7 +84,8 @@ class LLM:
         `raystate.launch.LaunchOptions` fields (dispatch, num_cpus_per_shard, ...). `backend="inprocess"`
         runs the scheduler and one worker in this process, for debugging. `num_blocks` gives every KV
         cache group that many blocks per shard; `kv_cache_bytes` instead splits a per-shard byte budget
-        (see `raystate.config.plan_group_blocks`)."""
+        (see `raystate.config.plan_group_blocks`). `share_replay`: requests admitted in one step with the
+        same replayed prefix hit rebuild its sliding window once (`raystate.scheduler.kv_manager`)."""
         model_cfg, path = resolve_model_config(model, max_model_len)
         self.config = EngineConfig(
             model=model_cfg,
@@ -93,6 +95,7 @@ class LLM:
                 kv_cache_bytes=kv_cache_bytes,
                 enable_prefix_caching=enable_prefix_caching,
                 swa_bounded_replay=swa_bounded_replay,
+                share_replay=share_replay,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

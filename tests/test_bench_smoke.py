@@ -22,7 +22,10 @@ def test_prefix_bench_smoke(tmp_path, capsys):
     assert "TTFT p50 replay / cache everything" in text
     report = json.loads(out.read_text())
     modes = {m["mode"]: m for m in report["modes"]}
-    assert set(modes) == {"recompute", "cache everything", "bounded replay"}
+    assert set(modes) == {"recompute", "cache everything", "bounded replay", "replay, unshared"}
+    # The burst shares one replay (the first request rebuilds the window, the rest borrow it).
+    assert modes["bounded replay"]["shared_replay_tokens"] > 0
+    assert modes["replay, unshared"]["shared_replay_tokens"] == 0
     # tiny: 2 of 4 layers are full attention, so replay keeps half the KV per cached token.
     assert (
         modes["cache everything"]["kv_bytes_per_cached_token"]

@@ -5,11 +5,22 @@ every group covers tokens [j * block_size, (j + 1) * block_size). Groups fall in
 
 - cacheable (full attention; window groups too when bounded replay is off): hit blocks are shared, full
   computed blocks are registered in the group's prefix index, nothing is released before the request ends.
-- window (sliding attention with bounded replay on): never shared; null blocks below `replay_start`;
-  blocks wholly before `num_computed - W + 1` are released as the request advances (SPEC 3.8).
+- window (sliding attention with bounded replay on): never cached; null blocks below `replay_start`;
+  blocks wholly before `num_computed - W + 1` are released as the request advances (SPEC 3.8). Shared
+  only within one step, by requests that replay the same hit (shared replay, below).
 - plain (prefix caching off): fresh blocks only.
 
 A request's per-group block lists are index-aligned with its tokens; a released or null entry is 0.
+
+Shared replay: a burst of requests with one cached system prompt all hit the same h and would each
+recompute the same P tokens [h - P, h) to rebuild the same window KV. With `share_replay`, the first of
+them admitted in a step replays (SPEC 3.3) and becomes that hit's donor; each later one in the same step
+shares the donor's window blocks over [replay_start, h) and starts computing at h, its replay start still
+h - P (the floor of its window reads). That is exact against SPEC 4's truncated-replay reference: the
+window KV over [h - P, h) is the same function of the same tokens and the same cached full-attention KV
+whichever request computes it, and within one step every layer writes all rows' KV before any row reads
+it, so the borrowers read what the donor wrote. Only within a step: a donor's blocks behind its window
+are released as it advances, so a later step never borrows.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ class KVManager:
         groups: tuple[KVCacheGroupSpec, ...],
         num_blocks: int | Sequence[int],  # per group (one int: the same for every group)
         enable_prefix_caching: bool = True,
+        share_replay: bool = True,
     ) -> None:
         if not groups:
             raise ValueError("groups: the model needs at least one KV cache group")
@@ -46,6 +58,7 @@ class KVManager:
         self.window = [
             (i, g.sliding_window) for i, g in enumerate(groups) if g.is_sliding and i not in self.cacheable
         ]
+        self.share_replay = share_replay and self.replay_tokens > 0 and bool(self.window)
         self.indices = [PrefixIndex() if i in self.cacheable else None for i in range(len(groups))]
         counts = [num_blocks] * len(groups) if isinstance(num_blocks, int) else list(num_blocks)
         if len(counts) != len(groups):
@@ -147,17 +160,22 @@ class KVManager:
         replay_start and num_cached_tokens. Blocks for its first chunk come from `allocate`."""
         return self._admit(req, 0)[0]
 
-    def admit_chunk(self, req: Request, max_tokens: int) -> int:
+    def admit_chunk(self, req: Request, max_tokens: int, donors: dict | None = None) -> int:
         """`admit(req)`, then `allocate(req, n)` for its first chunk, n = min(tokens to compute,
         max_tokens), in one pass. Returns n, or 0 when some pool is short: then the admission is taken
         back (`preempt`) and req holds nothing, exactly as admit + a failed allocate + preempt leave it.
 
+        `donors` is the step's record of replayed hits (an empty dict at the step's first admission,
+        the same dict for every admission of the step): with shared replay, a request whose hit was
+        already replayed in this step borrows that window instead (module docstring), and one whose
+        first chunk replays a whole hit is recorded as its donor.
+
         The new blocks are not recorded in `req.new_block_ids`: a request admitted in this step goes
         out as a NewRequest carrying its whole block lists.
         """
-        return self._admit(req, max_tokens)[1]
+        return self._admit(req, max_tokens, donors)[1]
 
-    def _admit(self, req: Request, max_tokens: int) -> tuple[ReplayPlan, int]:
+    def _admit(self, req: Request, max_tokens: int, donors: dict | None = None) -> tuple[ReplayPlan, int]:
         """SPEC 3 steps 1-4 for req, then (max_tokens > 0) blocks for its first chunk: (plan, chunk).
 
         Admission runs once per request but a burst admits many at once, so this is written flat:
@@ -183,6 +201,18 @@ class KVManager:
         if num_null:
             for i, _ in window:
                 block_ids[i] = [NULL_BLOCK] * num_null
+        donor_key = None
+        if replay_start and donors is not None and self.share_replay:
+            # The hit's identity: its length and its last block (ids are unique per chained hash while
+            # the hit holds them, and every hit block is held through this step).
+            donor_key = (num_shared, block_ids[self.cacheable[0]][-1])
+            borrowed = donors.get(donor_key)
+            if borrowed is not None:  # the window over [replay_start, h) is rebuilt by the donor
+                for k, (i, _) in enumerate(window):
+                    pools[i].share(borrowed[k])
+                    block_ids[i] += borrowed[k]
+                num_computed = hit_tokens
+                donor_key = None
         n = 0
         if max_tokens > 0:
             n = req.num_tokens - num_computed
@@ -198,6 +228,9 @@ class KVManager:
                     ids = block_ids[i]
                     if need > len(ids):
                         ids += pool.allocate(need - len(ids))
+                if donor_key is not None and num_computed + n >= hit_tokens:  # replays the whole hit
+                    hit_blocks = hit_tokens // bs
+                    donors[donor_key] = [block_ids[i][num_null:hit_blocks] for i, _ in window]
         capacity = _NEVER
         for ids in block_ids:
             if len(ids) < capacity:

@@ -27,6 +27,7 @@ import numpy as np
 from raystate.config import EngineConfig
 from raystate.errors import InvalidRequest
 from raystate.messages import RequestUpdate, SamplingParams, StepMessage, StepResult
+from raystate.scheduler.prefix_cache import PromptHasher
 from raystate.scheduler.request import Request
 from raystate.scheduler.router import DEFAULT_LOAD_PENALTY, choose_shard
 from raystate.scheduler.shard_scheduler import ShardScheduler
@@ -42,6 +43,8 @@ class SchedulerStats:
     prefix_hit_tokens: int  # sum of the hits h used at admissions
     replayed_tokens: int  # sum of h - replay_start over replayed admissions (window KV rebuilt)
     num_preemptions: int
+    # sum of h - replay_start over admissions that borrowed a window rebuilt in the same step
+    shared_replay_tokens: int = 0
 
 
 class Scheduler:
@@ -61,6 +64,8 @@ class Scheduler:
         kv = self.shards[0].kv
         self._block_size = kv.block_size
         self._max_tokens_held = kv.max_tokens_held
+        # Prompts are hashed only where blocks can be cached (the hashes key the prefix index).
+        self._prompt_hasher = PromptHasher(kv.block_size) if kv.caching else None
 
     # -- intake ------------------------------------------------------------------------------------------
 
@@ -106,7 +111,8 @@ class Scheduler:
         req = Request(req_id, tokens, sampling, self._next_arrival, model.eos_token_id)
         self._next_arrival += 1
         # Hash the prompt's full blocks once; admission, routing and registration reuse them.
-        self.shards[0].kv.hash_blocks(req, n // self._block_size)
+        if self._prompt_hasher is not None:
+            self._prompt_hasher.hash_prompt(tokens, req.block_hashes, n // self._block_size)
         if shard is None:
             shard = self._route(req)
         elif shard not in self.live_shards():
@@ -188,6 +194,7 @@ class Scheduler:
             prefix_hit_tokens=sum(s.prefix_hit_tokens for s in self.shards),
             replayed_tokens=sum(s.replayed_tokens for s in self.shards),
             num_preemptions=sum(s.num_preemptions for s in self.shards),
+            shared_replay_tokens=sum(s.shared_replay_tokens for s in self.shards),
         )
 
     def check_integrity(self) -> None:

@@ -43,7 +43,12 @@ class _InflightStep(NamedTuple):
 class ShardScheduler:
     def __init__(self, shard: int, config: EngineConfig) -> None:
         self.shard = shard
-        self.kv = KVManager(config.kv_groups, config.group_num_blocks, config.cache.enable_prefix_caching)
+        self.kv = KVManager(
+            config.kv_groups,
+            config.group_num_blocks,
+            config.cache.enable_prefix_caching,
+            config.cache.share_replay,
+        )
         sched = config.scheduler
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
@@ -58,6 +63,7 @@ class ShardScheduler:
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.replayed_tokens = 0
+        self.shared_replay_tokens = 0
 
     @property
     def load(self) -> int:
@@ -212,10 +218,11 @@ class ShardScheduler:
         max_num_seqs = self.max_num_seqs
         chunk_limit = self.chunk_limit
         admitted: list[Request] = []
-        hit_tokens = replayed_tokens = 0
+        hit_tokens = replayed_tokens = shared_tokens = 0
+        donors: dict = {}  # this step's replayed hits (KVManager.admit_chunk)
         while waiting and budget > 0 and len(running) < max_num_seqs:
             req = waiting[0]
-            n = admit_chunk(req, budget if budget < chunk_limit else chunk_limit)
+            n = admit_chunk(req, budget if budget < chunk_limit else chunk_limit, donors)
             if not n:  # blocks are short: the admission was taken back
                 break
             waiting.popleft()
@@ -229,9 +236,13 @@ class ShardScheduler:
             budget -= n
             hit_tokens += req.num_cached_tokens
             if req.replay_start:
-                replayed_tokens += req.num_cached_tokens - req.replay_start
+                if req.num_computed == req.num_cached_tokens:  # borrowed a donor's rebuilt window
+                    shared_tokens += req.num_cached_tokens - req.replay_start
+                else:
+                    replayed_tokens += req.num_cached_tokens - req.replay_start
         self.prefix_hit_tokens += hit_tokens
         self.replayed_tokens += replayed_tokens
+        self.shared_replay_tokens += shared_tokens
         return admitted
 
     def _new_request(self, req: Request) -> NewRequest:

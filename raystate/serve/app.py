@@ -52,6 +52,7 @@ class AppArgs(BaseModel):
     kv_cache_bytes: int | None = Field(None, ge=1)  # per shard; None: sized from max_num_seqs
     enable_prefix_caching: bool = True
     swa_bounded_replay: bool = True
+    share_replay: bool = True  # one window rebuild per replayed hit per step (KVManager.admit_chunk)
     seed: int = 0
     api_key: str | None = None  # None: RAYSTATE_API_KEY in the replica's environment, if set
     require_api_key: bool = False  # fail the replica rather than serve without a key
@@ -70,6 +71,7 @@ class AppArgs(BaseModel):
                 kv_cache_bytes=self.kv_cache_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
                 swa_bounded_replay=self.swa_bounded_replay,
+                share_replay=self.share_replay,
             ),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs),
             device=self.device,

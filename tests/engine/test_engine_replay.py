@@ -86,3 +86,43 @@ def test_hit_of_at_most_w_is_dropped(make_llm, prefix_len):
     model = llm.engine.worker.model
     seq = hit + second.token_ids[:-1]
     assert second.token_ids == dense_forward(model, seq)[len(hit) - 1 :].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("share_replay", [True, False])
+def test_burst_of_hits_matches_truncated_reference(make_llm, share_replay):
+    """Three requests hit one cached prefix in the same step. With shared replay the first rebuilds the
+    window over [h - W, h) and the others read it (they start at h); without, each replays. Either way
+    every request's logits equal SPEC 4's truncated-replay reference, with every window slot poisoned
+    before the burst, so a read of anything the step did not write shows up as NaN."""
+    prefix_len = 100
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(0, 256, prefix_len).tolist()
+    cold = prefix + rng.integers(0, 256, 9).tolist()
+    burst = [prefix + rng.integers(0, 256, 5 + 4 * i).tolist() for i in range(3)]
+    llm, log = make_llm(block_size=BLOCK, max_num_batched_tokens=256, share_replay=share_replay)
+    worker = llm.engine.worker
+    model = worker.model
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    first = llm.generate(prompt_token_ids=cold, sampling_params=params, use_tqdm=False)[0]
+    for i, t in enumerate(model.config.layer_types):
+        if t == "sliding":
+            worker.kv_caches[i][0].fill_(float("nan"))
+            worker.kv_caches[i][1].fill_(float("nan"))
+    before = llm.engine.scheduler.stats()
+    outs = llm.generate(prompt_token_ids=burst, sampling_params=params, use_tqdm=False)
+
+    h = (prefix_len // BLOCK) * BLOCK
+    _, cold_kv = dense_forward(model, cold + first.token_ids, return_kv=True)
+    for prompt, out in zip(burst, outs, strict=True):
+        assert (out.num_cached_tokens, out.replay_start) == (h, h - W)
+        seq = prompt + out.token_ids[:-1]
+        want = replay_reference(model, seq, h, h - W, cold_kv)  # positions [h - W, len(seq))
+        got = log.stacked(out.request_id, len(prompt) - 1, len(seq))
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want[len(prompt) - 1 - (h - W) :], rtol=1e-5, atol=1e-5)
+        assert out.token_ids == want[len(prompt) - 1 - (h - W) :].argmax(-1).tolist()
+    after = llm.engine.scheduler.stats()
+    shared = after.shared_replay_tokens - before.shared_replay_tokens
+    replayed = after.replayed_tokens - before.replayed_tokens
+    assert (replayed, shared) == ((W, 2 * W) if share_replay else (3 * W, 0))
+    llm.engine.scheduler.check_integrity()

@@ -315,6 +315,9 @@ VARIANTS = {
         block_m=128, block_n=32, num_warps=8, num_stages=3, loop_stages=3, edge_stages=1, **ALL_FLAGS
     ),
     "all_m64_n128": AttentionLaunch(block_n=128, num_stages=4, **ALL_FLAGS),
+    # One program per row looping over its query tiles (the decode layout), forced on mixed batches too.
+    "row_programs": AttentionLaunch(row_programs=True),
+    "row_programs_m16_n128": AttentionLaunch(block_m=16, block_n=128, row_programs=True),
 }
 
 
@@ -386,8 +389,12 @@ def test_launch_config_defaults_and_overrides():
     )
     assert launch.k_rows and launch.split_mask and launch.fold_scale and launch.heavy_first
     block_q, launch = _launch_config(4, 1, None)
-    assert (block_q, launch.block_m, launch.num_warps) == (4, 16, 4)
+    assert (block_q, launch.block_m, launch.block_n, launch.num_warps) == (4, 16, 128, 4)
     assert not (launch.k_rows or launch.split_mask or launch.fold_scale or launch.heavy_first)
+    assert launch.row_programs  # one tile holds each decode row: one program per row
+    # A short window takes 64-key steps; a longer one the full-attention tile.
+    assert _launch_config(4, 1, None, sliding_window=128)[1].block_n == 64
+    assert _launch_config(4, 1, None, sliding_window=1024)[1].block_n == 128
 
     big = AttentionLaunch(block_m=128, block_n=128, num_stages=3, split_mask=True)
     block_q, launch = _launch_config(4, 4096, big)
@@ -401,3 +408,17 @@ def test_launch_config_defaults_and_overrides():
     assert launch.split_mask
     block_q, launch = _launch_config(4, 1, big)
     assert (block_q, launch.block_m, launch.block_n) == (4, 16, 128)
+
+
+def test_default_launch_fits_shared_memory():
+    """The defaults are sized for bf16 keys; fp32 keys of D = 128 need 262656 bytes at 3 stages and
+    262144 at 2 (more than an H200's 232448), so the launcher drops a stage, then halves the key step."""
+    limit = 232448 - 8192
+    _, bf16 = _launch_config(4, None, None, 0, 128 * 2, limit)
+    assert (bf16.block_n, bf16.num_stages) == (128, 3)
+    _, fp32 = _launch_config(4, None, None, 0, 128 * 4, limit)
+    assert (fp32.block_n, fp32.num_stages) == (64, 2)
+    _, small = _launch_config(4, 1, None, 0, 128 * 4, 64 * 1024)  # a GPU with 64 KiB per program
+    assert small.block_n == 32 and small.num_stages == 2
+    explicit = AttentionLaunch(block_n=128, num_stages=4)
+    assert _launch_config(4, None, explicit, 0, 128 * 4, limit)[1].num_stages == 4  # taken as given

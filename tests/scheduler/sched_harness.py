@@ -35,6 +35,7 @@ def make_config(
     num_blocks: int = 128,
     caching: bool = True,
     bounded_replay: bool = True,
+    share_replay: bool = True,
     max_num_seqs: int = 8,
     max_batched: int = 512,
     threshold: int = 0,
@@ -53,6 +54,7 @@ def make_config(
             num_blocks=num_blocks,
             enable_prefix_caching=caching,
             swa_bounded_replay=bounded_replay,
+            share_replay=share_replay,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,

@@ -9,6 +9,7 @@ from raystate.messages import ids_to_bytes
 from raystate.scheduler.prefix_cache import (
     ROOT_HASH,
     PrefixIndex,
+    PromptHasher,
     extend_block_hashes,
     hash_block,
     longest_hit,
@@ -83,3 +84,22 @@ def test_index_keeps_the_first_block_and_forgets_only_its_own_entry():
     assert idx.get(h) == 5
     idx.forget(h, 5)
     assert h not in idx and len(idx) == 0
+
+
+def test_prompt_hasher_equals_hashing_from_scratch():
+    """Whatever the last prompt was (a shared prefix of any length, longer, shorter, a block that differs
+    in its last id), the reused hashes plus the new ones equal the chain hashed from scratch."""
+    import random
+
+    rng = random.Random(5)
+    hasher = PromptHasher(BS)
+    base = [rng.randrange(256) for _ in range(64)]
+    prompts = [base[:40] + [1, 2, 3], base[:41] + [9] * 6, base[:7], base, base[:39] + [0] + base[40:]]
+    prompts += [[rng.randrange(256) for _ in range(rng.randrange(1, 70))] for _ in range(30)]
+    for _ in range(40):
+        cut = rng.randrange(0, 64)
+        prompts.append(base[:cut] + [rng.randrange(256) for _ in range(rng.randrange(0, 20))])
+    for tokens in prompts:
+        hashes: list[bytes] = []
+        hasher.hash_prompt(array.array("i", tokens), hashes, len(tokens) // BS)
+        assert hashes == chain(tokens)

@@ -88,6 +88,85 @@ def test_chunk_inside_the_replay_range_allocates_no_cacheable_block():
     assert log.outputs["b"] == reference_output(PROMPT + [50, 51, 52], greedy(3), EOS_ID)
 
 
+def burst_after_cold(config, n=4, first_step_only=True):
+    """Runs "a" (PROMPT) to the end, then adds b0..b{n-1} (PROMPT + a tail each) at once; returns the
+    NewRequests of the step that admitted them."""
+    sched = Scheduler(config)
+    worker = FakeWorker(config)
+    sched.add_request("a", PROMPT, greedy(3))
+    run(sched, [worker])
+    tails = {f"b{i}": [60 + i, 70 + i, 80] for i in range(n)}
+    for req_id, tail in tails.items():
+        sched.add_request(req_id, PROMPT + tail, greedy(3))
+    log = new_log()
+    msgs = step(sched, [worker], log)
+    news = [first_new_request(msgs, req_id) for req_id in tails]
+    return sched, worker, news, log, tails
+
+
+def test_a_burst_with_one_hit_rebuilds_the_window_once():
+    """Shared replay: the first request replays [12, 20), the others borrow those window blocks and start
+    at the hit; the fake worker checks that every window read finds that prefix's KV."""
+    config = make_config()
+    sliding = group_index(config, "sliding")
+    sched, worker, news, log, tails = burst_after_cold(config)
+    donor, *borrowers = news
+    assert donor.num_computed == donor.replay_start == 20 - W and donor.num_scheduled == 23 - 12
+    window = donor.block_ids[sliding][3:5]  # the blocks over [replay_start, h) = [12, 20)
+    assert all(window)
+    for new in borrowers:
+        assert (new.num_computed, new.replay_start, new.num_scheduled) == (20, 12, 3)
+        assert new.block_ids[sliding][:5] == [0, 0, 0, *window]
+        assert new.block_ids[sliding][5] not in window  # its own tokens get fresh blocks
+    sched.check_integrity()  # a borrowed block counts one reference per holder
+    run(sched, [worker], log)
+    for req_id, tail in tails.items():
+        assert log.outputs[req_id] == reference_output(PROMPT + tail, greedy(3), EOS_ID)
+        assert (log.finals[req_id].num_cached_tokens, log.finals[req_id].replay_start) == (20, 12)
+    stats = sched.stats()
+    assert stats.replayed_tokens == W and stats.shared_replay_tokens == 3 * W
+    sched.check_integrity()
+
+
+def test_share_replay_off_replays_every_request():
+    sched, worker, news, log, tails = burst_after_cold(make_config(share_replay=False))
+    assert all(new.num_computed == new.replay_start == 12 for new in news)
+    run(sched, [worker], log)
+    for req_id, tail in tails.items():
+        assert log.outputs[req_id] == reference_output(PROMPT + tail, greedy(3), EOS_ID)
+    stats = sched.stats()
+    assert stats.replayed_tokens == 4 * W and stats.shared_replay_tokens == 0
+
+
+def test_a_donor_must_replay_the_whole_hit_in_its_first_chunk():
+    """Chunks of 4 tokens end inside [12, 20): no request rebuilds the window in one step, so none can
+    lend it and each replays its own."""
+    sched, worker, news, log, tails = burst_after_cold(make_config(threshold=4))
+    assert all((new.num_computed, new.num_scheduled) == (12, 4) for new in news)
+    run(sched, [worker], log)
+    for req_id, tail in tails.items():
+        assert log.outputs[req_id] == reference_output(PROMPT + tail, greedy(3), EOS_ID)
+    assert sched.stats().shared_replay_tokens == 0
+
+
+def test_a_later_step_never_borrows():
+    """The donor's window blocks are released as it advances, so only its own step may borrow them."""
+    config = make_config()
+    sched = Scheduler(config)
+    worker = FakeWorker(config)
+    sched.add_request("a", PROMPT, greedy(3))
+    run(sched, [worker])
+    log = new_log()
+    sched.add_request("b0", PROMPT + [1, 2, 3], greedy(6))
+    step(sched, [worker], log)
+    sched.add_request("b1", PROMPT + [4, 5, 6], greedy(6))
+    new_b1 = first_new_request(step(sched, [worker], log), "b1")
+    assert new_b1.num_computed == new_b1.replay_start == 12
+    run(sched, [worker], log)
+    assert log.outputs["b1"] == reference_output(PROMPT + [4, 5, 6], greedy(6), EOS_ID)
+    sched.check_integrity()
+
+
 def test_hit_of_exactly_the_window_is_ignored():
     config = make_config()
     sched = Scheduler(config)
