@@ -17,11 +17,12 @@ launches the empty kernel the way the launchers launch theirs (`raystate.kernels
 which skips Triton's per-call dispatch once a signature is compiled): the "x fast" column is each row
 against that, like for like. Every launch path is checked against the PyTorch reference first.
 
-    python3 bench/bench_kernels.py [--json out.json] [--decode-step-ms 6.859]
+    python3 bench/bench_kernels.py [--json out.json] [--decode-step-ms 2.079]
     TRITON_INTERPRET=1 python3 bench/bench_kernels.py --smoke    # CPU: tiny sizes, checks the script runs
 
---decode-step-ms is the bench-model decode step to compare the engram cost with (6.859 ms with CUDA graphs
-at batch 64, 2k context in bench/results/decode_h200.log; bench/bench_decode.py measures it).
+--decode-step-ms is the bench-model decode step to compare the engram cost with (2.079 ms with CUDA graphs
+and async scheduling at batch 64, 2k context in bench/results/decode_h200.log; bench/bench_decode.py
+measures it).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+from bench_gemm import graph_time_us
 
 from raystate.config import ModelConfig
 from raystate.kernels import (
@@ -125,28 +127,7 @@ def host_us(cases: list[Case], iters: int, rounds: int, device: torch.device) ->
 
 def graph_us(fn: Callable[[], object], launches: int, replays: int) -> float:
     """GPU time per call inside one CUDA graph of `launches` calls: events around a replay, median."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (compile, allocator) off the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    del graph
-    return statistics.median(times)
+    return graph_time_us(lambda _: fn(), launches, replays)
 
 
 def host_syncs(fn: Callable[[], object]) -> str:

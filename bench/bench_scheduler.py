@@ -107,8 +107,12 @@ def bench_admission(num_prompts: int, prompt_len: int, shared_len: int, trials: 
     )
     print(
         f"  intake (add_request: validate, hash all full blocks)  median {statistics.median(intake_ms):7.3f}"
+        f"   min {min(intake_ms):7.3f}"
     )
-    print(f"  prefix hit tokens {stats.prefix_hit_tokens}, replayed tokens {stats.replayed_tokens}")
+    print(
+        f"  prefix hit tokens {stats.prefix_hit_tokens}, replayed tokens {stats.replayed_tokens}, "
+        f"borrowed (shared replay) {stats.shared_replay_tokens}"
+    )
 
 
 def main() -> None:
@@ -118,6 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     bench_decode(256, args.steps)
     bench_admission(64, 2048, 1024, args.trials)
+    bench_admission(32, 8192 + 128, 8192, args.trials)  # bench_prefix's burst
 
 
 if __name__ == "__main__":

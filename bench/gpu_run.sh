@@ -26,7 +26,7 @@ for part in $parts; do
     gemm)
       timeout 120 python3 bench/bench_gemm.py --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" | tail -50 ;;
     kernels)
-      timeout 90 python3 bench/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -14 ;;
+      timeout 90 python3 bench/bench_kernels.py --decode-step-ms 2.079 --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -14 ;;
     decode)
       timeout 200 python3 bench/bench_decode.py --batch 64 --context 2048 --steps 48 --profile \
         --plot "$OUT/decode.png" 2>&1 \

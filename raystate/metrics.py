@@ -28,7 +28,12 @@ class EngineMetrics:
         self._shard_tags = [{"deployment": deployment, "shard": str(s)} for s in range(num_shards)]
         self.stats_interval_s = stats_interval_s
         self._next_stats = 0.0
-        self._totals = {"prefix_hit_tokens": 0, "replayed_tokens": 0, "num_preemptions": 0}
+        self._totals = {
+            "prefix_hit_tokens": 0,
+            "replayed_tokens": 0,
+            "shared_replay_tokens": 0,
+            "num_preemptions": 0,
+        }
         per_shard = ("deployment", "shard")
         self.running = Gauge("raystate_running_requests", "Requests running on a shard", tag_keys=per_shard)
         self.waiting = Gauge(
@@ -41,6 +46,11 @@ class EngineMetrics:
             "replayed_tokens": Counter(
                 "raystate_replayed_tokens",
                 "Cached tokens recomputed for the sliding window (SWA bounded replay)",
+                ("deployment",),
+            ),
+            "shared_replay_tokens": Counter(
+                "raystate_shared_replay_tokens",
+                "Cached window tokens borrowed from a request replaying the same hit in the same step",
                 ("deployment",),
             ),
             "num_preemptions": Counter(

@@ -66,6 +66,11 @@ class _BackendCollector(Collector):
                 "Prefix-hit tokens recomputed for the sliding window",
                 "replayed_tokens",
             ),
+            (
+                "raystate_shared_replay_tokens",
+                "Prefix-hit window tokens borrowed from a request that rebuilt them in the same step",
+                "shared_replay_tokens",
+            ),
             ("raystate_preemptions", "Requests preempted to free KV blocks", "num_preemptions"),
         ]
         for name, doc, key in counters:

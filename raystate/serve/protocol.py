@@ -217,7 +217,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # the prefix-cache hit used for this request
-    replayed_tokens: int = 0  # raystate extension: hit tokens recomputed for the sliding window
+    # raystate extension: hit tokens whose sliding-window KV was rebuilt for this request (by itself, or
+    # with shared replay by a request of the same step that hit the same prefix)
+    replayed_tokens: int = 0
 
 
 class Usage(BaseModel):
