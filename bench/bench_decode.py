@@ -166,13 +166,13 @@ def decode_attention_layout(layout: str):
     if layout == "default":
         yield
         return
-    saved = attention.DECODE_LAUNCH, attention.DECODE_WINDOW_LAUNCH
-    attention.DECODE_LAUNCH = attention.DECODE_WINDOW_LAUNCH = attention.AttentionLaunch()
+    saved = attention.DECODE_LAUNCH, attention.DECODE_SHORT_STEP_LAUNCH
+    attention.DECODE_LAUNCH = attention.DECODE_SHORT_STEP_LAUNCH = attention.AttentionLaunch()
     attention._resolve_launch.cache_clear()
     try:
         yield
     finally:
-        attention.DECODE_LAUNCH, attention.DECODE_WINDOW_LAUNCH = saved
+        attention.DECODE_LAUNCH, attention.DECODE_SHORT_STEP_LAUNCH = saved
         attention._resolve_launch.cache_clear()
 
 

@@ -498,11 +498,13 @@ class AttentionLaunch:
 # keys, 8 warps, 3 stages, K as rows, unmasked interior blocks, folded scale, heaviest tiles first runs
 # at 1.18 / 1.10 / 1.07 / 1.04x flash SDPA (4k / 8k / 16k / 4 x 4k), the old 64 x 64 tile at 0.80 /
 # 0.77 / 0.76 / 0.77x. (Triton plans to stop fusing the folded scale's multiply-add by default; that
-# would cost speed, never correctness.) Decode: one program per (row, kv head) with 128-key steps; on the
-# bench model's heads (16 q / 4 kv of 128) at batch 64, 2k context that is 75.7 us against 97.2 us for
-# 64-key steps and 99.7 us for the earlier tile-search layout, and over a 128-key window 64-key steps are
-# as fast (11.3 us at B = 64) and faster at B = 256 (27.7 against 33.2 us): `bench_attention.py`'s decode
-# layouts, H200 (bench/results/attention.log). The prefill flags only add registers there.
+# would cost speed, never correctness.) Decode: one program per (row, kv head). With at most two waves of
+# such programs, 128-key steps: on the bench model's heads (16 q / 4 kv of 128) at batch 64, 2k context
+# (256 programs) 75.7 us against 97.2 us for 64-key steps and 99.7 us for the earlier tile-search layout;
+# with more programs (32 q / 8 kv heads at B = 64 and beyond: 512+) 128-key steps ran 4-5% slower than
+# 64-key ones, and over a window of up to 128 keys 64-key steps are as fast (11.3 us at B = 64) and faster
+# at B = 256 (27.7 against 33.2 us): `bench_attention.py`, H200 (bench/results/attention.log). The prefill
+# flags only add registers there.
 PREFILL_LAUNCH = AttentionLaunch(
     block_m=128,
     block_n=128,
@@ -514,9 +516,11 @@ PREFILL_LAUNCH = AttentionLaunch(
     heavy_first=True,
 )
 DECODE_LAUNCH = AttentionLaunch(block_n=128, row_programs=True)
-# Decode over a sliding window of at most 128 keys (two 64-key steps from the window's first key).
-DECODE_WINDOW_LAUNCH = AttentionLaunch(block_n=64, row_programs=True)
-WINDOW_LAUNCH_MAX = 128
+# Decode with more than DECODE_MAX_WAVES waves of programs, or over a window of at most
+# SHORT_WINDOW keys (two 64-key steps from the window's first key).
+DECODE_SHORT_STEP_LAUNCH = AttentionLaunch(block_n=64, row_programs=True)
+DECODE_MAX_WAVES = 2
+SHORT_WINDOW = 128
 
 
 def _tile_shape(group: int, max_query_len: int | None, max_block_m: int) -> tuple[int, int]:
@@ -539,16 +543,19 @@ def _launch_config(
     sliding_window: int = 0,
     key_row_bytes: int = 0,
     smem_limit: int | None = None,
+    decode_waves: float = 0.0,
 ) -> tuple[int, AttentionLaunch]:
     """(BLOCK_Q, the launch with block_m and num_warps resolved) for this call.
 
     Without an explicit `launch`, a full-size tile takes PREFILL_LAUNCH and a shrunken one DECODE_LAUNCH
-    (DECODE_WINDOW_LAUNCH for a short window), in the row-program layout only when one tile holds the
+    (DECODE_SHORT_STEP_LAUNCH for a short window or more than DECODE_MAX_WAVES `decode_waves`: rows x kv
+    heads over the GPU's multiprocessors), in the row-program layout only when one tile holds the
     longest row's queries, and made to fit `smem_limit` bytes of shared memory for keys of
     `key_row_bytes` (the defaults are sized for bf16: fp32 caches of D = 128 would not compile); an
     explicit one applies as given (its block_m still caps the tile, which short queries shrink).
     """
-    decode = DECODE_WINDOW_LAUNCH if 0 < sliding_window <= WINDOW_LAUNCH_MAX else DECODE_LAUNCH
+    short = 0 < sliding_window <= SHORT_WINDOW or decode_waves > DECODE_MAX_WAVES
+    decode = DECODE_SHORT_STEP_LAUNCH if short else DECODE_LAUNCH
     return _resolve_launch(group, max_query_len, launch, PREFILL_LAUNCH, decode, key_row_bytes, smem_limit)
 
 
@@ -593,15 +600,16 @@ def _resolve_launch(
 
 
 @functools.lru_cache(maxsize=16)
-def _shared_memory_limit(device_index: int) -> int:
-    """Bytes of shared memory a program may take on this GPU, less 8 KiB for the kernel's own scratch."""
+def _device_limits(device_index: int) -> tuple[int, int]:
+    """(bytes of shared memory a program may take, less 8 KiB for the kernel's own scratch; the number of
+    multiprocessors) of this GPU."""
     props = torch.cuda.get_device_properties(device_index)
     limit = getattr(props, "shared_memory_per_block_optin", 0)
     if not limit:  # an older torch: ask Triton's driver
         import triton.runtime
 
         limit = triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
-    return int(limit) - 8192
+    return int(limit) - 8192, max(1, props.multi_processor_count)
 
 
 def _paged_attention_triton(
@@ -632,9 +640,13 @@ def _paged_attention_triton(
         return out
     group = num_q_heads // num_kv_heads
     block_d = max(16, next_pow2(head_dim))
-    smem = None if interpreting() else _shared_memory_limit(k_cache.device.index or 0)
+    if interpreting():
+        smem, waves = None, 0.0
+    else:
+        smem, sms = _device_limits(k_cache.device.index or 0)
+        waves = num_rows * num_kv_heads / sms
     block_q, launch = _launch_config(
-        group, max_query_len, launch, sliding_window, block_d * k_cache.element_size(), smem
+        group, max_query_len, launch, sliding_window, block_d * k_cache.element_size(), smem, waves
     )
     if launch.row_programs:
         grid = (num_rows, num_kv_heads)

@@ -392,9 +392,12 @@ def test_launch_config_defaults_and_overrides():
     assert (block_q, launch.block_m, launch.block_n, launch.num_warps) == (4, 16, 128, 4)
     assert not (launch.k_rows or launch.split_mask or launch.fold_scale or launch.heavy_first)
     assert launch.row_programs  # one tile holds each decode row: one program per row
-    # A short window takes 64-key steps; a longer one the full-attention tile.
+    # A short window takes 64-key steps; a longer one the full-attention tile; so do more than two
+    # waves of (row, kv head) programs.
     assert _launch_config(4, 1, None, sliding_window=128)[1].block_n == 64
     assert _launch_config(4, 1, None, sliding_window=1024)[1].block_n == 128
+    assert _launch_config(4, 1, None, decode_waves=1.9)[1].block_n == 128
+    assert _launch_config(4, 1, None, decode_waves=3.9)[1].block_n == 64
 
     big = AttentionLaunch(block_m=128, block_n=128, num_stages=3, split_mask=True)
     block_q, launch = _launch_config(4, 4096, big)
