@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton.testing
+from bench_decode import copy_bandwidth, graph_time_us
 
 from raystate.kernels import attention, cdiv, paged_attention
 from raystate.kernels.attention import AttentionLaunch
@@ -35,14 +36,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PREFILL_SWEEP = ((1, 4096), (1, 8192), (1, 16384), (4, 4096))  # (rows, tokens per row), causal
 DECODE_SWEEP = (64, 4096)  # (rows, context)
 ALL_FLAGS = {"k_rows": True, "split_mask": True, "fold_scale": True, "heavy_first": True}
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a large device-to-device copy (read + write): the practical HBM ceiling."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100)
-    return 2 * src.numel() / (ms * 1e-3)
 
 
 def paged_problem(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
@@ -156,8 +149,6 @@ def decode_layouts(args, hbm) -> list[dict]:
     a window of W <= 128 in one key step) against the previous default (programs per query tile found by
     binary search, 64-key steps from a 64-aligned start) and the two row-program tiles, each inside a CUDA
     graph rotating over enough problem copies that every call reads its KV from HBM, not from L2."""
-    from bench_gemm import graph_time_us
-
     heads = argparse.Namespace(**{**vars(args), "q_heads": 16, "kv_heads": 4, "head_dim": 128})
     launches = {
         "default": None,

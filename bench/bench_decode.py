@@ -37,6 +37,31 @@ def matmul_rate(n: int = 8192) -> float:
     return 2 * n**3 / (ms * 1e-3)
 
 
+def graph_time_us(fn, calls: int, replays: int = 20) -> float:
+    """Per-call GPU time of `calls` calls of fn (each call takes its call index) in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def decode_floor_bytes(llm: LLM, batch: int, context: int) -> tuple[int, int]:
     model = llm.engine.worker.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from bench_decode import copy_bandwidth, graph_time_us
 
 from raystate.config import ModelConfig
 from raystate.kernels import next_pow2
@@ -148,22 +148,6 @@ TILES = [
 ]
 
 
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return 2 * src.numel() / statistics.median(times)
-
-
 def decode_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
     """(K, N) of each projection: x [M, K] @ W[N, K]^T."""
     h, kv = model.hidden_size, model.num_kv_heads * model.head_dim
@@ -174,31 +158,6 @@ def decode_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
         "gate_up": (h, 2 * model.intermediate_size),
         "down": (model.intermediate_size, h),
     }
-
-
-def graph_time_us(fn, calls: int, replays: int = 20) -> float:
-    """Per-call GPU time of `calls` calls of fn (each call takes its call index) in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from bench_gemm import graph_time_us
+from bench_decode import graph_time_us
 
 from raystate.config import ModelConfig
 from raystate.kernels import (
