@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 
 import torch
 from bench_decode import copy_bandwidth, graph_time_us
-from decode_linear import LinearTile, decode_linear, decode_linear_ref, default_tile, set_pdl
+from decode_linear import LinearTile, decode_linear, decode_linear_ref, default_tile, set_launch
 
 from raystate.config import ModelConfig
 from raystate.kernels.activation import silu_and_mul
@@ -62,12 +61,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def time_variant(fn, calls: int, pdl: bool) -> float:
-    set_pdl(pdl)
+def time_variant(fn, calls: int, pdl: bool, prefetch: bool = True) -> float:
+    set_launch(pdl, prefetch)
     try:
         return graph_time_us(fn, calls)
     finally:
-        set_pdl(True)
+        set_launch()
 
 
 def per_projection(model: ModelConfig, rows: int, bw: float, gen: torch.Generator) -> list[dict]:
@@ -90,16 +89,19 @@ def per_projection(model: ModelConfig, rows: int, bw: float, gen: torch.Generato
         print(f"{'cuBLAS':>40}: {cublas:7.2f} us  {floor_us / cublas:5.2f} of copy bandwidth")
         default = default_tile(n, k, False, x.device)
         variants = [
-            (f"default {default.tag()}, PDL", default, True),
-            ("default, PDL, no prefetch", replace(default, prefetch=False), True),
-            ("default, no PDL", default, False),
-        ] + [(t.tag() + ", PDL", t, True) for t in SWEEP if t != default]
-        for label, tile, pdl in variants:
+            (f"default {default.tag()}, PDL + prefetch", default, True, True),
+            ("default, PDL, no prefetch", default, True, False),
+            ("default, no PDL", default, False, False),
+        ] + [(t.tag() + ", PDL + prefetch", t, True, True) for t in SWEEP if t != default]
+        for label, tile, pdl, prefetch in variants:
             try:
                 err = rel_err(decode_linear(x, ws[0], tile=tile), ref)
                 assert err < 1e-2, f"relative error {err:.3g}"
                 us = time_variant(
-                    lambda i, x=x, ws=ws, tile=tile: decode_linear(x, ws[i % len(ws)], tile=tile), calls, pdl
+                    lambda i, x=x, ws=ws, tile=tile: decode_linear(x, ws[i % len(ws)], tile=tile),
+                    calls,
+                    pdl,
+                    prefetch,
                 )
             except Exception as exc:  # a tile that does not compile or fit: report, go on
                 print(f"{label:>40}: failed ({str(exc).splitlines()[0][:80]})")
@@ -157,40 +159,13 @@ class Layers:
             hidden = torch.nn.functional.linear(act, p["down"])
         return hidden + residual
 
-    def fused(self, stream: torch.Tensor, prefetch: bool = True) -> torch.Tensor:
+    def fused(self, stream: torch.Tensor) -> torch.Tensor:
         """Four decode_linear launches per layer: qkv(norm(s)), s += o(.), gate(norm(s)), s += down(.)."""
         for p in self.layers:
-            tile = (
-                None
-                if prefetch
-                else replace(
-                    default_tile(p["qkv"].shape[0], stream.shape[1], False, stream.device), prefetch=False
-                )
-            )
-            qkv = decode_linear(stream, p["qkv"], norm_weight=p["g1"], eps=self.eps, tile=tile)
-            tile = (
-                None
-                if prefetch
-                else replace(
-                    default_tile(stream.shape[1], self.q_width, False, stream.device), prefetch=False
-                )
-            )
-            stream = decode_linear(qkv[:, : self.q_width], p["o"], residual=stream, tile=tile)
-            n = p["gate_up"].shape[0] // 2
-            tile = (
-                None
-                if prefetch
-                else replace(default_tile(n, stream.shape[1], True, stream.device), prefetch=False)
-            )
-            act = decode_linear(
-                stream, p["gate_up"], norm_weight=p["g2"], eps=self.eps, silu_mul=True, tile=tile
-            )
-            tile = (
-                None
-                if prefetch
-                else replace(default_tile(stream.shape[1], n, False, stream.device), prefetch=False)
-            )
-            stream = decode_linear(act, p["down"], residual=stream, tile=tile)
+            qkv = decode_linear(stream, p["qkv"], norm_weight=p["g1"], eps=self.eps)
+            stream = decode_linear(qkv[:, : self.q_width], p["o"], residual=stream)
+            act = decode_linear(stream, p["gate_up"], norm_weight=p["g2"], eps=self.eps, silu_mul=True)
+            stream = decode_linear(act, p["down"], residual=stream)
         return stream
 
     def reference(self, stream: torch.Tensor) -> torch.Tensor:
@@ -218,13 +193,13 @@ def layer_chain(model: ModelConfig, rows: int, bw: float, gen: torch.Generator) 
     # point than the unfused one, so its distance to the torch ops is larger, not a wrong result.
     assert max(errs.values()) < 6e-2, errs
     result = {"floor_us": floor_us, "errors": errs}
-    for label, fn, pdl in [
-        ("unfused: cuBLAS + RMSNorm + gate kernels", lambda i: layers.unfused(x), False),
-        ("fused decode_linear, PDL + prefetch", lambda i: layers.fused(x), True),
-        ("fused decode_linear, PDL, no prefetch", lambda i: layers.fused(x, prefetch=False), True),
-        ("fused decode_linear, no PDL", lambda i: layers.fused(x), False),
+    for label, fn, pdl, prefetch in [
+        ("unfused: cuBLAS + RMSNorm + gate kernels", layers.unfused, False, False),
+        ("fused decode_linear, PDL + prefetch", layers.fused, True, True),
+        ("fused decode_linear, PDL, no prefetch", layers.fused, True, False),
+        ("fused decode_linear, no PDL", layers.fused, False, False),
     ]:
-        us = time_variant(fn, 1, pdl)
+        us = time_variant(lambda i, fn=fn: fn(x), 1, pdl, prefetch)
         result[label] = us
         print(
             f"{label:>42}: {us:8.1f} us  {floor_us / us:5.2f} of copy bandwidth  "

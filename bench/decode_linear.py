@@ -17,7 +17,7 @@ bandwidth and cuBLAS reaches 0.31-0.69 of that on the bench model's projections:
   (deterministic), applies the epilogue and re-arms the counter. One launch, no separate reduce.
 - Programmatic dependent launch (PDL, Hopper): the kernel may start while the previous one runs; before
   `griddepcontrol.wait` a program asks L2 to prefetch its share of the weights (no kernel writes them),
-  then lets the next kernel start. `set_pdl(False)` launches without it, for side-by-side timing.
+  then lets the next kernel start. `set_launch` turns either off, for side-by-side timing.
 
 Rows are one 64-row tile whatever M is (padding rows masked), so a row's result does not depend on M.
 """
@@ -32,12 +32,13 @@ import triton.language as tl
 
 from raystate.kernels._common import cdiv, interpreting, use_triton
 
-_pdl = {"on": True}
+_launch = {"pdl": True, "prefetch": True}
 
 
-def set_pdl(enabled: bool) -> None:
-    """Launch later calls with programmatic dependent launch (where supported) or without it."""
-    _pdl["on"] = enabled
+def set_launch(pdl: bool = True, prefetch: bool = True) -> None:
+    """Launch later calls with programmatic dependent launch (where supported) or without it, and with
+    or without the weight prefetch before the wait (which needs PDL)."""
+    _launch["pdl"], _launch["prefetch"] = pdl, prefetch
 
 
 def pdl_options(tensor: torch.Tensor) -> dict:
@@ -45,7 +46,7 @@ def pdl_options(tensor: torch.Tensor) -> dict:
     on for CUDA devices of compute capability 9.0+ whose Triton has the gdc intrinsics."""
     cuda = getattr(tl.extra, "cuda", None)
     on = (
-        _pdl["on"]
+        _launch["pdl"]
         and tensor.is_cuda
         and hasattr(cuda, "gdc_wait")
         and torch.cuda.get_device_capability(tensor.device)[0] >= 9
@@ -262,11 +263,9 @@ class LinearTile:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    prefetch: bool = True
 
     def tag(self) -> str:
-        pf = " pf" if self.prefetch else ""
-        return f"N{self.block_n} K{self.block_k} split{self.split_k} w{self.num_warps} s{self.num_stages}{pf}"
+        return f"N{self.block_n} K{self.block_k} split{self.split_k} w{self.num_warps} s{self.num_stages}"
 
 
 _sm_count: dict[int, int] = {}
@@ -423,7 +422,7 @@ def decode_linear(
         BLOCK_K=tile.block_k,
         SPLIT_K=split,
         EVEN_K=k % tile.block_k == 0 and k_blocks % split == 0,
-        PREFETCH=tile.prefetch,
+        PREFETCH=_launch["prefetch"],
         ELEM_BYTES=x.element_size(),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=interpreting() and x.dtype == torch.bfloat16,
