@@ -436,19 +436,13 @@ def _paged_attention_kernel(
     block_table_row = block_table_ptr + row.to(tl.int64) * stride_bt_row
     k_head_ptr = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head_ptr = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
-    if ROW_PROGRAMS:
-        for q_first in range(0, q_len, BLOCK_Q):  # once for a decode row
-            _attend_query_tile(
-                query_ptr, out_ptr, q_start, q_len, q_first, seq_len, kv_head, floor, sliding_window,
-                scale_log2, block_table_row, k_head_ptr, v_head_ptr, stride_qt, stride_qh, stride_qd,
-                stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_ot, stride_oh,
-                stride_od, stride_bt_col, HEAD_DIM, BLOCK_D, BLOCK_SIZE, GROUP, BLOCK_Q, BLOCK_M, BLOCK_N,
-                K_ROWS, SPLIT_MASK, FOLD_SCALE, LOOP_STAGES, EDGE_STAGES, DOT_PRECISION, DOT_IN_FP32,
-            )  # fmt: skip
-    else:
-        q_first = (tile_id - (q_start // BLOCK_Q + row)) * BLOCK_Q  # this tile's first query in the row
-        if q_first >= q_len:
-            return
+    if ROW_PROGRAMS:  # every query tile of the row: once for a decode row
+        tiles_lo = q_len * 0
+        tiles_hi = q_len
+    else:  # this program's one tile, or none past the row's last query (a surplus tile id)
+        tiles_lo = (tile_id - (q_start // BLOCK_Q + row)) * BLOCK_Q
+        tiles_hi = tl.minimum(tiles_lo + 1, q_len)
+    for q_first in range(tiles_lo, tiles_hi, BLOCK_Q):
         _attend_query_tile(
             query_ptr, out_ptr, q_start, q_len, q_first, seq_len, kv_head, floor, sliding_window,
             scale_log2, block_table_row, k_head_ptr, v_head_ptr, stride_qt, stride_qh, stride_qd,
