@@ -133,6 +133,7 @@ def run(
 CONFIGS = (
     ("graphs + async", True, True, "default"),
     ("graphs + async, previous decode attention", True, True, "previous"),
+    ("graphs + async, unguarded argmax", True, True, "unguarded"),
     ("graphs", True, False, "default"),
     ("eager", False, False, "default"),
 )
@@ -187,9 +188,20 @@ def main() -> None:
 
 @contextlib.contextmanager
 def decode_attention_layout(layout: str):
-    """ "previous": paged attention's default decode launches set to the earlier layout for the block."""
+    """ "previous": paged attention's default decode launches set to the earlier layout for the block;
+    "unguarded": the graph's greedy step without the non-finite-row guard (a plain argmax), for its cost."""
     if layout == "default":
         yield
+        return
+    if layout == "unguarded":
+        from raystate.worker import cudagraph
+
+        saved_guard = cudagraph.greedy_checked
+        cudagraph.greedy_checked = lambda logits: torch.argmax(logits, dim=-1)
+        try:
+            yield
+        finally:
+            cudagraph.greedy_checked = saved_guard
         return
     saved = attention.DECODE_LAUNCH, attention.DECODE_SHORT_STEP_LAUNCH
     attention.DECODE_LAUNCH = attention.DECODE_SHORT_STEP_LAUNCH = attention.AttentionLaunch()

@@ -4,6 +4,7 @@ For token t at chunk offset j of row b, the compressed id at distance s (s = 0..
   v_s = compress[input_ids[t - s]]          if s <= j   (inside the chunk)
   v_s = compress[lookback[b, s - j - 1]]    otherwise   (before the chunk start; newest first)
 A lookback entry of -1 is a position below 0: a block, and so is a distance past the D stored columns.
+So is any token id outside [0, vocab), in the chunk or in the lookback (vocab = len(compress)).
 From the first blocked distance on, every v_s is pad_id. Rolling mix: h_0 = v_0 * m_0,
 h_s = h_{s-1} XOR (v_s * m_s); for order s + 1 (s = 1..N-1) and head k, column (s-1)*H + k holds
 h_s mod primes[s-1, k] + offsets[(s-1)*H + k]. All arithmetic is int64 and cannot overflow: v < V' and
@@ -12,6 +13,15 @@ m < 2 * ((2**63 - 1) // V' // 2) + 1.
 Every token of input_ids is hashed, also those past qsl[B] (a batch padded for graph replay): they are
 blocked from distance 0 and get the all-pad bucket, a valid row, so a padded lookup never leaves the table.
 The Triton launcher cannot read qsl[B] without a host sync, and the reference follows it.
+
+Out-of-range ids are blocks on every path (the scalar oracle, the reference and the Triton kernel) and
+are never looked up in `compress`, so no path reads out of bounds and all give the same hash. Why a
+block: negative ids already were one (the lookback's -1), so ids >= vocab join that rule instead of
+making a second; the result is a valid bucket (pad from that distance on), never a row past the table;
+and clamping would instead hash some real token's n-grams as if it had been seen. The engine rejects
+such ids before they reach a kernel (Scheduler.add_request for prompts, SamplingParams.validate for
+stop_token_ids), so one here is a bug upstream; it must not also become a wild read or an IndexError
+that only the CPU path raises.
 """
 
 from __future__ import annotations
@@ -34,7 +44,8 @@ def engram_hash_scalar(
 ) -> list[list[int]]:
     """Plain-Python hash of one chunk `ids` whose preceding ids (newest first) are `lookback`.
 
-    The test oracle: it follows the SPEC text literally, one token at a time.
+    The test oracle: it follows the SPEC text literally, one token at a time. An id outside
+    [0, len(compress)) is a block, like a position below 0 (see the module docstring).
     """
     n = len(multipliers)
     heads = len(primes[0])
@@ -49,7 +60,7 @@ def engram_hash_scalar(
             else:
                 k = s - j - 1
                 tok = lookback[k] if k < len(lookback) else -1
-            if tok < 0:
+            if not 0 <= tok < len(compress):
                 blocked = True
             v = pad_id if blocked else compress[tok]
             h = v * multipliers[s] if s == 0 else h ^ (v * multipliers[s])
@@ -98,8 +109,12 @@ def engram_hash_ref(
         gathered = lookback.long()[row[:, None], lb_col.clamp(min=0, max=depth - 1)]
         lb_tok = torch.where(stored, gathered, lb_tok)
     tok = torch.where(inside, in_tok, lb_tok)  # [T, N]
-    blocked = (torch.cumsum((tok < 0).int(), dim=1) > 0) | ~real[:, None]
-    v = torch.where(blocked, torch.full_like(tok, pad_id), compress.long()[tok.clamp(min=0)])
+    vocab = compress.shape[0]
+    invalid = (tok < 0) | (tok >= vocab)  # [T, N]: below position 0, or not a token id at all
+    blocked = (torch.cumsum(invalid.int(), dim=1) > 0) | ~real[:, None]
+    # Blocked entries look up id 0 (then replaced by pad_id), so the gather stays in bounds.
+    looked_up = compress.long()[torch.where(blocked, 0, tok)] if vocab > 0 else torch.zeros_like(tok)
+    v = torch.where(blocked, torch.full_like(tok, pad_id), looked_up)
     prod = v * multipliers.long()[None, :]
     h = prod[:, 0]
     cols = []
@@ -110,7 +125,7 @@ def engram_hash_ref(
     return out
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_rows", "search_steps", "pad_id"])
+@triton.jit(do_not_specialize=["num_tokens", "num_rows", "search_steps", "vocab", "pad_id"])
 def _engram_hash_kernel(
     out_ptr,  # int64 [>= T, (N - 1) * H]
     out_row_stride,
@@ -128,6 +143,7 @@ def _engram_hash_kernel(
     search_steps,
     depth,
     num_heads,
+    vocab,
     pad_id,
     N: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -162,8 +178,9 @@ def _engram_hash_kernel(
         lookback_col = s - offset_in_chunk - 1  # newest first
         stored = ~inside & (lookback_col < depth) & ~blocked
         history_id = tl.load(lookback_row_ptr + lookback_col, mask=stored, other=-1).to(tl.int64)
-        tok = tl.where(inside, chunk_id, history_id)  # [BLOCK_T]
-        blocked = blocked | (tok < 0)
+        tok = tl.where(inside, chunk_id, history_id)  # int64 [BLOCK_T]
+        # An id outside [0, vocab) is a block: masked out of the compress load, so never read past it.
+        blocked = blocked | (tok < 0) | (tok >= vocab)
         compressed = tl.load(compress_ptr + tok, mask=~blocked, other=0)
         value = tl.where(blocked, pad, compressed.to(tl.int64))
         mix = mix ^ (value * tl.load(multipliers_ptr + s).to(tl.int64))
@@ -182,6 +199,8 @@ def engram_hash(
     input_ids, query_start_loc, lookback, compress, multipliers, primes, offsets, pad_id: int, out=None
 ) -> torch.Tensor:
     """Hashes every token of `input_ids`; tokens past qsl[B] (graph padding) get the all-pad bucket.
+
+    Ids outside [0, len(compress)) are blocks on every path, never looked up (see the module docstring).
 
     Runs once per engram layer and step, so the Triton path reads each shape and stride once and builds
     no tensor besides `out` when none is given.
@@ -222,6 +241,7 @@ def engram_hash(
         max(num_rows, 0).bit_length(),  # binary-search steps over the B + 1 row starts
         depth,
         heads,
+        compress.shape[0],  # vocab: ids at or past it are blocks
         pad_id,
         N=n,
         BLOCK_T=block_t,

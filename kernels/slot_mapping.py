@@ -12,6 +12,9 @@ stays bit-for-bit as it is. Window groups keep their slots (their KV is being re
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -41,17 +44,101 @@ def compute_slot_mappings_ref(
     slot_mappings[:, :num_tokens] = block_ids * block_size + pos % block_size
 
 
+# What `cacheable_groups` may be: host ints, an integer index tensor or a bool mask tensor (see
+# `cacheable_group_indices`).
+CacheableGroups = Sequence[int] | torch.Tensor
+
+# Host-int tuples already checked, by identity: id(tuple) -> (the tuple, its sorted distinct indices, its
+# largest index + 1). Keyed by identity, not equality, because (True,) == (1,) and (1.0,) == (1,): an equal
+# tuple of bools or floats must not pass as the ints it equals. Holding the tuple keeps its id from being
+# reused while it is cached.
+_CHECKED_GROUPS: dict[int, tuple[tuple, tuple[int, ...], int]] = {}
+_CHECKED_GROUPS_MAX = 256  # tuples kept; past it the cache starts over (tests build many, models one)
+# The entry of the tuple checked last. The callers pass one per-model tuple object every step, so the
+# launcher's check is an identity test against this (about half the cost of the dict lookup above).
+# Starts on a private object, which no caller can pass (None would pass as "no groups").
+_last_checked: tuple[object, tuple[int, ...], int] = (object(), (), 0)
+
+
+def cacheable_group_indices(cacheable_groups: CacheableGroups, num_groups: int) -> tuple[int, ...]:
+    """`cacheable_groups` as sorted distinct host ints in [0, num_groups): what every path pads.
+
+    Accepted forms, all meaning the same set of groups:
+      - a tuple or list of ints (Python or numpy ints; not bools, which would silently mean groups 0/1),
+      - an integer tensor [C] of group indices,
+      - a bool tensor [G] (G = num_groups) masking the groups.
+    Anything else raises TypeError, an index outside [0, num_groups) IndexError (the kernel would write
+    outside slot_mappings and the reference would wrap a negative index), and a mask of the wrong length
+    ValueError, each naming the argument. Sorting and dropping duplicates changes nothing padded but keeps
+    one compiled kernel per set of groups. A tensor is read with `tolist()`: on CUDA that is a device to
+    host copy, a sync, so hot-path callers pass host ints (a tuple is checked once, then cached).
+    """
+    global _last_checked
+    hit = _CHECKED_GROUPS.get(id(cacheable_groups))
+    if hit is not None and hit[0] is cacheable_groups and hit[2] <= num_groups:
+        _last_checked = hit
+        return hit[1]
+    if isinstance(cacheable_groups, torch.Tensor):
+        if cacheable_groups.dim() != 1:
+            raise ValueError(
+                f"cacheable_groups: a 1-D tensor expected, got shape {tuple(cacheable_groups.shape)}"
+            )
+        if cacheable_groups.dtype == torch.bool:
+            if cacheable_groups.shape[0] != num_groups:
+                raise ValueError(
+                    f"cacheable_groups: a bool mask must have one entry per group ({num_groups}), "
+                    f"got {cacheable_groups.shape[0]}"
+                )
+            indices = cacheable_groups.nonzero().flatten().tolist()
+        elif cacheable_groups.dtype.is_floating_point or cacheable_groups.dtype.is_complex:
+            raise TypeError(
+                f"cacheable_groups: an integer or bool tensor expected, got {cacheable_groups.dtype}"
+            )
+        else:
+            indices = cacheable_groups.tolist()
+    elif isinstance(cacheable_groups, tuple | list):
+        indices = []
+        for g in cacheable_groups:
+            if isinstance(g, bool | torch.Tensor):
+                raise TypeError(
+                    "cacheable_groups: a tuple or list must hold ints (group indices), got "
+                    f"{type(g).__name__}; pass a mask as a bool tensor"
+                )
+            try:
+                indices.append(operator.index(g))
+            except TypeError:
+                raise TypeError(
+                    f"cacheable_groups: a tuple or list must hold ints, got {type(g).__name__}"
+                ) from None
+    else:
+        raise TypeError(
+            "cacheable_groups: a tuple or list of ints, an integer index tensor or a bool mask tensor "
+            f"expected, got {type(cacheable_groups).__name__}"
+        )
+    groups = tuple(sorted(set(indices)))
+    for g in groups:
+        if not 0 <= g < num_groups:
+            raise IndexError(f"cacheable_groups: group index {g} outside [0, {num_groups})")
+    if type(cacheable_groups) is tuple and all(type(g) is int for g in cacheable_groups):
+        if len(_CHECKED_GROUPS) >= _CHECKED_GROUPS_MAX:
+            _CHECKED_GROUPS.clear()
+        _last_checked = (cacheable_groups, groups, groups[-1] + 1 if groups else 0)
+        _CHECKED_GROUPS[id(cacheable_groups)] = _last_checked
+    return groups
+
+
 def pad_replayed_slots_ref(
     slot_mappings: torch.Tensor,  # int64 [G, T_max], edited in place
-    cacheable_groups: torch.Tensor,  # int32 [C]: group indices into slot_mappings
+    cacheable_groups: CacheableGroups,  # host ints [C], int tensor [C] or bool mask [G]: groups to pad
     query_start_loc: torch.Tensor,  # int32 [B + 1]
     positions: torch.Tensor,  # int64 [>= T]
     replay_start: torch.Tensor,  # int32 [B]: 0 = no replay for that row
     window: int,  # P, the replay length
     pad_slot_id: int = PAD_SLOT_ID,
 ) -> None:
+    groups = cacheable_group_indices(cacheable_groups, slot_mappings.shape[0])
     num_rows = replay_start.shape[0]
-    if num_rows == 0 or cacheable_groups.numel() == 0:
+    if num_rows == 0 or not groups:
         return
     qsl = query_start_loc[: num_rows + 1].long()
     num_tokens = int(qsl[-1])
@@ -61,7 +148,7 @@ def pad_replayed_slots_ref(
     rs = replay_start.long()[row_of_token]  # [T]
     pos = positions[:num_tokens].long()
     replayed = (rs > 0) & (pos >= rs) & (pos < rs + window)  # [T]
-    for g in cacheable_groups.tolist():
+    for g in groups:
         row = slot_mappings[g, :num_tokens]
         row.masked_fill_(replayed, pad_slot_id)
 
@@ -197,7 +284,7 @@ def compute_slot_mappings(
 
 def pad_replayed_slots(
     slot_mappings: torch.Tensor,
-    cacheable_groups: tuple[int, ...],
+    cacheable_groups: CacheableGroups,
     query_start_loc: torch.Tensor,
     positions: torch.Tensor,
     replay_start: torch.Tensor,
@@ -209,21 +296,31 @@ def pad_replayed_slots(
     Launch-bound (a step's replayed tokens are few), so what it costs is its launch (through `FastLaunch`,
     without Triton's per-call dispatch), which grows with every kernel parameter (a tensor, an int and a
     constexpr alike). So what is fixed per model travels as one constexpr tuple, compiled once per model: the
-    cacheable groups as host ints (unlike the reference, which takes them as a tensor: a tensor would be
-    one more parameter), the window P and the pad id. Slot mapping rows are assumed contiguous (checked).
+    cacheable groups as host ints (a tensor would be one more parameter), the window P and the pad id.
+    Slot mapping rows are assumed contiguous (checked).
+
+    `cacheable_groups` may be host ints, an index tensor or a bool mask (`cacheable_group_indices`); every
+    path turns it into the same sorted host ints first, so the reference and the kernel pad the same
+    groups. Callers on the hot path pass a tuple of ints: checked on first sight, then an identity test, no
+    sync (a CUDA tensor costs a device to host copy).
     """
+    num_groups, max_tokens = slot_mappings.shape
+    # The per-model tuple checked last time: no call, no dict lookup (cacheable_group_indices otherwise).
+    last = _last_checked
+    if cacheable_groups is last[0] and last[2] <= num_groups:
+        groups = last[1]
+    else:
+        groups = cacheable_group_indices(cacheable_groups, num_groups)
     # use_triton(slot_mappings), inlined: ~0.1 us less per launch.
     if reference_forced() or not (slot_mappings.is_cuda or interpreting()):
-        groups = torch.tensor(cacheable_groups, dtype=torch.int32)  # the reference only lists them: host
         pad_replayed_slots_ref(
             slot_mappings, groups, query_start_loc, positions, replay_start, window, pad_slot_id
         )
         return
     num_rows = replay_start.numel()  # 1-D: numel is the cheapest length
     group_stride, col_stride = slot_mappings.stride()
-    max_tokens = slot_mappings.shape[1]
     assert col_stride == 1, "slot mapping rows must be contiguous"
-    if num_rows and cacheable_groups and max_tokens and window > 0:
+    if num_rows and groups and max_tokens and window > 0:
         _launch_pad(
             ((max_tokens + _BLOCK_TOKENS - 1) // _BLOCK_TOKENS, 1, 1),
             slot_mappings,
@@ -232,7 +329,7 @@ def pad_replayed_slots(
             positions,
             replay_start,
             num_rows,
-            (cacheable_groups, window, pad_slot_id),
+            (groups, window, pad_slot_id),
         )
 
 

@@ -1,6 +1,8 @@
 """The `raystate` command line (`python -m raystate` is the same).
 
 raystate serve [--host 127.0.0.1] [--port 8000] [--model tiny] [--num-shards 1] [--api-key KEY]
+               [--allowed-host HOST] [--cors-origin ORIGIN] [--header-timeout-s 5] [--body-timeout-s 10]
+               [--shutdown-grace-s 30]
 raystate generate [--prompt TEXT ...]
 raystate status [--url http://127.0.0.1:8000]
 raystate bench [--suite serve] [script options]
@@ -59,23 +61,108 @@ def _curl_example(url: str, model: str, api_key: str | None) -> str:
     return f"curl -s {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
-def _wait_for_signal() -> int:
-    """Blocks until SIGINT or SIGTERM; returns the signal number."""
-    received: list[int] = []
-    done = threading.Event()
+class _StopSignals:
+    """SIGINT and SIGTERM, counted instead of raised: the first starts the drain, a second cuts the
+    grace period short, a third stops without waiting."""
 
-    def handler(signum, _frame):
-        received.append(signum)
-        done.set()
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._event = threading.Event()
+        self._previous: dict = {}
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not done.wait(0.5):
-            pass
-    finally:
-        for s, h in previous.items():
+    def __enter__(self) -> _StopSignals:
+        self._previous = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._previous.items():
             signal.signal(s, h)
-    return received[0]
+
+    def _handler(self, signum, _frame) -> None:
+        self.received.append(signum)
+        self._event.set()
+
+    def wait(self, count: int, timeout_s: float | None = None) -> bool:
+        """Blocks until `count` signals came (True) or `timeout_s` passed (False)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(self.received) < count:
+            left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            self._event.wait(left)
+            self._event.clear()
+        return True
+
+
+def _start_drain_notice(app_name: str):
+    """The DrainNotice actor the replicas of `app_name` look up when they start (None if its name is
+    taken: another `raystate serve` of that name on this cluster; the drain is then Serve's own)."""
+    import ray
+
+    from raystate.serve.app import DRAIN_NAMESPACE, DrainNotice, drain_notice_name
+
+    try:
+        return (
+            ray.remote(DrainNotice)
+            .options(name=drain_notice_name(app_name), namespace=DRAIN_NAMESPACE, num_cpus=0)
+            .remote()
+        )
+    except ValueError as e:
+        print(f"raystate: warning: no drain on shutdown: {e}", file=sys.stderr)
+        return None
+
+
+def _drain(notice, grace_s: float, num_replicas: int, signals: _StopSignals) -> None:
+    """Tells every replica to drain (503 for new requests; running ones get `grace_s`, then streams end
+    with an error event and [DONE]) and waits for their reports; a second signal cuts the grace short,
+    a third stops waiting."""
+    import ray
+
+    from raystate.serve.server import DRAIN_CUT_MARGIN_S
+
+    ray.get(notice.drain.remote(grace_s), timeout=30)
+    # The replicas' own bound is grace + margin; a little more for their reports to arrive.
+    deadline = time.monotonic() + grace_s + DRAIN_CUT_MARGIN_S + 5.0
+    seen = len(signals.received)
+    while time.monotonic() < deadline:
+        if ray.get(notice.num_drained.remote(), timeout=30) >= num_replicas:
+            print("raystate: drained", flush=True)
+            return
+        signals.wait(seen + 1, timeout_s=0.2)
+        if len(signals.received) > seen:
+            seen = len(signals.received)
+            if seen >= 3:
+                print("raystate: third signal: not waiting for the drain", flush=True)
+                return
+            print("raystate: second signal: ending every request now", flush=True)
+            ray.get(notice.drain.remote(0.0), timeout=30)
+            deadline = min(deadline, time.monotonic() + DRAIN_CUT_MARGIN_S + 5.0)
+    print("raystate: drain timed out; stopping anyway", flush=True)
+
+
+def _header_timeout_env(header_timeout_s: float) -> dict[str, str]:
+    """The environment that makes Serve's proxy bound request head reads (proxy_guard.py)."""
+    from raystate.serve import proxy_guard
+
+    if header_timeout_s <= 0:
+        return {}
+    current = os.environ.get(proxy_guard.CALLBACK_ENV)
+    if current and current != proxy_guard.CALLBACK:
+        print(
+            f"raystate: warning: request headers are not time-bounded: {proxy_guard.CALLBACK_ENV} is "
+            f"already set ({current})",
+            file=sys.stderr,
+        )
+        return {}
+    return {
+        proxy_guard.CALLBACK_ENV: proxy_guard.CALLBACK,
+        proxy_guard.HEADER_TIMEOUT_ENV: f"{header_timeout_s:g}",
+    }
+
+
+def _words(values: list[str] | None) -> list[str]:
+    """Repeated and comma-separated flag values as one list."""
+    return [w.strip() for v in values or [] for w in v.split(",") if w.strip()]
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -87,19 +174,27 @@ def _serve(args: argparse.Namespace) -> int:
         # The local Ray's processes inherit this environment: the key reaches the replica without being
         # written into the application's stored arguments, and a replica without it refuses to start.
         os.environ[API_KEY_ENV] = api_key
-    app = build_app(
-        AppArgs(
-            model=args.model,
-            backend=args.backend,
-            cluster_name=args.name,
-            num_shards=args.num_shards,
-            device=args.device,
-            max_num_seqs=args.max_num_seqs,
-            kv_cache_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30),
-            api_key=None if local else api_key,
-            require_api_key=api_key is not None,
-        )
-    )  # validates the arguments before Ray starts
+    app_args = AppArgs(
+        model=args.model,
+        backend=args.backend,
+        cluster_name=args.name,
+        num_shards=args.num_shards,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30),
+        api_key=None if local else api_key,
+        require_api_key=api_key is not None,
+        body_timeout_s=args.body_timeout_s,
+        allowed_hosts=_words(args.allowed_host),
+        cors_allow_origins=_words(args.cors_origin),
+        shutdown_grace_s=args.shutdown_grace_s,
+        **({"cors_allow_methods": _words(args.cors_method)} if args.cors_method else {}),
+        **({"cors_allow_headers": _words(args.cors_header)} if args.cors_header else {}),
+    )
+    app = build_app(app_args)  # validates the arguments before Ray starts
+    if local:
+        # Like the key: Serve's proxy actor, started by the local Ray, inherits the environment.
+        os.environ.update(_header_timeout_env(args.header_timeout_s))
     import ray
     from ray import serve
 
@@ -107,6 +202,7 @@ def _serve(args: argparse.Namespace) -> int:
     ray.init(address=args.address or "local", log_to_driver=args.verbose)
     rc = 0
     try:
+        notice = _start_drain_notice(args.name)  # before the replicas start: they look it up
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name=args.name, route_prefix="/", blocking=False)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
@@ -115,10 +211,24 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"raystate: OpenAI API at {url}/v1  (health: {url}/health, metrics: {url}/metrics)")
         if args.host in ("0.0.0.0", "::"):
             print("raystate: listening on every interface" + ("" if api_key else " WITHOUT an API key"))
+        if not local:
+            print("raystate: note: the request header timeout is a setting of the cluster's proxies (README)")
         print(f"raystate: try  {_curl_example(url, args.model, api_key)}")
-        print("raystate: Ctrl-C stops the server", flush=True)
-        signum = _wait_for_signal()
-        print(f"raystate: {signal.Signals(signum).name}: shutting down", flush=True)
+        with _StopSignals() as signals:
+            print("raystate: Ctrl-C stops the server", flush=True)
+            signals.wait(1)
+            print(f"raystate: {signal.Signals(signals.received[0]).name}: shutting down", flush=True)
+            if notice is not None:
+                grace = args.shutdown_grace_s
+                print(
+                    f"raystate: draining: new requests get 503, running ones have {grace:g} s to finish "
+                    "(Ctrl-C again: end them now)",
+                    flush=True,
+                )
+                try:
+                    _drain(notice, grace, app_args.num_replicas, signals)
+                except Exception as e:  # e.g. the notice actor died: stop all the same
+                    print(f"raystate: warning: the drain failed ({type(e).__name__}: {e})", file=sys.stderr)
     except KeyboardInterrupt:  # Ctrl-C while starting
         print("raystate: interrupted: shutting down", flush=True)
         rc = 130
@@ -221,6 +331,49 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache per shard in GiB, split across the attention groups (default: sized from "
         "max-num-seqs and the model's max length)",
     )
+    s.add_argument(
+        "--allowed-host",
+        action="append",
+        metavar="HOST",
+        help="accept only requests whose Host header names HOST (a name, *.domain, or *; repeatable or "
+        "comma-separated; others get 400). Default: any Host",
+    )
+    s.add_argument(
+        "--cors-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="let web pages of ORIGIN (e.g. https://app.example.com, or *) call the API from a browser "
+        "(repeatable or comma-separated). Default: none, no CORS headers",
+    )
+    s.add_argument(
+        "--cors-method", action="append", metavar="METHOD", help="CORS allowed methods (default: GET, POST)"
+    )
+    s.add_argument(
+        "--cors-header",
+        action="append",
+        metavar="HEADER",
+        help="CORS allowed request headers (default: Authorization, Content-Type)",
+    )
+    s.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=5.0,
+        help="close a connection whose request line and headers are not all in after this long "
+        "(slow clients; set in Serve's proxy of the local Ray; 0: no limit). Default: 5",
+    )
+    s.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=10.0,
+        help="answer 408 when a request body is not all in after this long (slow clients). Default: 10",
+    )
+    s.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGINT/SIGTERM, new requests get 503 and running ones (streams too) get this long to "
+        "finish; streams still open then end with an error event and [DONE]. Default: 30",
+    )
     s.add_argument("--name", default="raystate", help="the Serve application and backend cluster name")
     s.add_argument("--verbose", action="store_true", help="forward Ray's worker logs to this terminal")
     s.set_defaults(func=_serve)
@@ -256,8 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--suite",
         default="serve",
-        help="bench/bench_<suite>.py: serve, scheduler, dispatch (CPU or GPU); decode, prefix, "
-        "throughput, attention, gemm, kernels (GPU)",
+        help="bench/bench_<suite>.py: serve, faults, scheduler, dispatch (CPU or GPU); decode, prefix, "
+        "throughput, attention, gemm, kernels, sampling_guard (GPU)",
     )
     b.set_defaults(func=_bench)
     return p

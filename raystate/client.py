@@ -12,6 +12,7 @@ import abc
 import asyncio
 import dataclasses
 import itertools
+import logging
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 from raystate.config import EngineConfig
 from raystate.errors import EngineDead
 from raystate.messages import RequestUpdate, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class Client(abc.ABC):
@@ -37,6 +40,11 @@ class Client(abc.ABC):
     @abc.abstractmethod
     async def health(self) -> bool:
         """Runs a real one-token step through every shard; False (or an exception) when unhealthy."""
+
+    @abc.abstractmethod
+    async def check_alive(self) -> None:
+        """Raises EngineDead unless the engine's step loop runs. Cheap (no step): what a supervisor
+        such as Serve's replica health check polls, so that a dead loop gets its replica replaced."""
 
     @abc.abstractmethod
     async def status(self) -> dict[str, Any]:
@@ -86,6 +94,7 @@ class LocalClient(Client):
                     self._wake.wait(0.05)
                     self._wake.clear()
         except BaseException as e:  # surfaces to every waiting caller instead of a hang
+            logger.exception("the in-process engine's step loop failed")
             self._error = e
             for loop, queue in list(self._queues.values()):
                 loop.call_soon_threadsafe(queue.put_nowait, e)
@@ -94,7 +103,7 @@ class LocalClient(Client):
         self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestUpdate]:
         if self._error is not None or self._stopped:
-            raise EngineDead(f"engine stopped: {self._error!r}")
+            await self.check_alive()
         rid = request_id or f"local-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), queue)
@@ -110,7 +119,7 @@ class LocalClient(Client):
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    raise EngineDead(f"engine failed: {item!r}") from item
+                    raise EngineDead(f"the engine's step loop failed ({type(item).__name__})") from item
                 finished = item.finished
                 yield item
         finally:
@@ -130,10 +139,17 @@ class LocalClient(Client):
                 return len(u.new_token_ids) == 1
         return False
 
+    async def check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDead(f"the engine's step loop failed ({type(self._error).__name__})")
+        if self._stopped or not self._thread.is_alive():
+            raise EngineDead("the engine's step loop is not running")
+
     async def status(self) -> dict[str, Any]:
         with self._lock:
             stats = dataclasses.asdict(self._engine.scheduler.stats())
-        return {"backend": "inprocess", "num_shards": 1, **stats}
+        alive = self._error is None and not self._stopped and self._thread.is_alive()
+        return {"backend": "inprocess", "num_shards": 1, **stats, "step_loop_alive": alive}
 
     async def shutdown(self) -> None:
         self._stopped = True

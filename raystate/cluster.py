@@ -247,6 +247,9 @@ class RayClient(Client):
     async def health(self, timeout_s: float = 60.0) -> bool:
         return await self._call(self._scheduler.health.remote(timeout_s), "health", timeout_s + 10.0)
 
+    async def check_alive(self) -> None:
+        await self._call(self._scheduler.check_alive.remote(), "check_alive")
+
     async def status(self) -> dict[str, Any]:
         return await self._call(self._scheduler.status.remote(), "status")
 
@@ -359,6 +362,15 @@ class Cluster(RayClient):
     def _stop_deployment(self) -> None:
         from raystate import launch
 
+        try:
+            current = ray.get_actor(launch.SCHEDULER_NAME, namespace=self.name)
+        except ValueError:
+            current = None
+        if current is not None and current != self._scheduler:
+            # Ours died and another process (a replacement Serve replica) started a deployment under
+            # the same name: stop nothing by name, only what is ours.
+            launch.kill(self._scheduler, self.deployment.workers if self.deployment else [], None)
+            return
         launch.stop(self.name, self.deployment.placement_group if self.deployment else None)
 
     def stop(self) -> None:

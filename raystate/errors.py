@@ -19,3 +19,8 @@ class ShardLost(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The scheduler (or the in-process engine) is gone; pending calls fail with this instead of hanging."""
+
+
+class RequestFailed(RuntimeError):
+    """One request failed on its shard (finish_reason "error": non-finite logits, a bad value that got
+    past validation) and ended alone; the engine and every other request run on."""

@@ -179,7 +179,7 @@ def start(config: EngineConfig, options: LaunchOptions) -> Deployment:
     try:
         ray.get([w.incarnation.remote() for w in workers], timeout=options.start_timeout_s)
     except BaseException:
-        _kill(None, workers, pg)
+        kill(None, workers, pg)
         raise
     scheduler = (
         ray.remote(SchedulerActor)
@@ -209,7 +209,7 @@ def start(config: EngineConfig, options: LaunchOptions) -> Deployment:
     try:
         dispatch = ray.get(scheduler.start.remote())
     except BaseException:
-        _kill(scheduler, workers, pg)
+        kill(scheduler, workers, pg)
         raise
     return Deployment(options.name, scheduler, workers, pg, dispatch)
 
@@ -237,10 +237,11 @@ def stop(name: str, placement_group: PlacementGroup | None = None, timeout_s: fl
             placement_group = ray.util.get_placement_group(f"raystate-{name}")
         except ValueError:
             placement_group = None
-    _kill(scheduler, workers, placement_group)
+    kill(scheduler, workers, placement_group)
 
 
-def _kill(scheduler, workers: list, pg: PlacementGroup | None) -> None:
+def kill(scheduler, workers: list, pg: PlacementGroup | None) -> None:
+    """Kills these actors and frees the bundles; what is already gone is skipped."""
     for handle in [h for h in (scheduler, *workers) if h is not None]:
         with contextlib.suppress(Exception):  # already gone
             ray.kill(handle)

@@ -31,6 +31,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0  # the prefix-cache hit h in tokens, 0 when none was used
     replay_start: int = 0
+    error: str | None = None  # why, when finish_reason is "error" (this request alone failed)
 
     @property
     def finished(self) -> bool:
@@ -240,5 +241,6 @@ def _apply_update(outputs: dict[str, RequestOutput], pending: set[str], bar, u) 
     out.replay_start = u.replay_start
     if u.finished:
         out.finish_reason = u.finish_reason
+        out.error = u.error
         pending.discard(u.req_id)
         bar.update(1)

@@ -38,6 +38,11 @@ def bytes_to_ids(data: bytes) -> list[int]:
     return a.tolist()
 
 
+# The sampled id of a row that failed (non-finite logits, a sampling error): its request alone ends with
+# finish_reason "error"; StepResult.errors says why.
+FAILED_ROW = -2
+
+
 class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """How to pick the next token. temperature 0 is greedy; top_k 0 and top_p 1 are off."""
 
@@ -50,18 +55,39 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     ignore_eos: bool = False
 
     def validate(self, vocab_size: int) -> None:
-        """Raises InvalidRequest (a ValueError) naming the field and the limit."""
-        if self.max_tokens < 1:
-            raise InvalidRequest("max_tokens", ">= 1", self.max_tokens)
-        if not self.temperature >= 0.0:
-            raise InvalidRequest("temperature", ">= 0", self.temperature)
-        if not 0.0 < self.top_p <= 1.0:
+        """Raises InvalidRequest (a ValueError) naming the field and the limit. Temperatures in
+        (0, 1e-5) are accepted and sampled greedily (the sampler's MIN_TEMPERATURE)."""
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32:
+            raise InvalidRequest("max_tokens", f"an integer in [1, {MAX_INT32}]", self.max_tokens)
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidRequest("temperature", f"a number in [0, {MAX_TEMPERATURE:g}]", self.temperature)
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest("top_p", "in (0, 1]", self.top_p)
-        if self.top_k < 0:
-            raise InvalidRequest("top_k", ">= 0 (0 = off)", self.top_k)
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_INT32:
+            raise InvalidRequest("top_k", f"an integer in [0, {MAX_INT32}] (0 = off)", self.top_k)
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_INT64):
+            raise InvalidRequest("seed", f"an integer in [0, {MAX_INT64}]", self.seed)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(
+                "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", len(self.stop_token_ids)
+            )
         for t in self.stop_token_ids:
-            if not 0 <= t < vocab_size:
+            if not _is_int(t) or not 0 <= t < vocab_size:
                 raise InvalidRequest("stop_token_ids", f"ids in [0, {vocab_size})", t)
+
+
+MAX_INT32 = 2**31 - 1
+MAX_INT64 = 2**63 - 1
+MAX_TEMPERATURE = 1e4  # a softmax past this is uniform to fp32 precision anyway
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
 class NewRequest(msgspec.Struct, array_like=True, gc=False):
@@ -104,12 +130,15 @@ class StepMessage(msgspec.Struct, array_like=True, gc=False):
 
 
 class StepResult(msgspec.Struct, array_like=True, gc=False):
-    """The shard's answer: one sampled id per scheduled row, -1 where a prefill chunk ended mid-prompt."""
+    """The shard's answer: one sampled id per scheduled row, -1 where a prefill chunk ended mid-prompt,
+    FAILED_ROW where the row failed (`errors[req_id]` says why, when the worker knows more than that its
+    logits were not finite)."""
 
     step_id: int
     req_ids: list[str]
     sampled: bytes  # int32 LE [len(req_ids)]
     execute_ns: int = 0
+    errors: dict[str, str] = {}
 
 
 class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
@@ -118,9 +147,10 @@ class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
     req_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "length" | "stop" | "abort" once finished
+    finish_reason: str | None  # "length" | "stop" | "abort" | "error" once finished
     num_cached_tokens: int  # prefix hit h used at the latest admission (0: none or dropped)
     replay_start: int  # replay start of the latest admission (SPEC 3.3; 0 without replay)
+    error: str | None = None  # why, when finish_reason is "error" (this request alone failed)
 
 
 # -- client <-> scheduler actor (the Ray backend) ---------------------------------------------------------

@@ -26,7 +26,12 @@ class ByteTokenizer:
         return BYTE_VOCAB_SIZE
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = list(text.encode("utf-8"))
+        """UTF-8 bytes, after BOS. Text that is not valid Unicode (a lone surrogate, which JSON's "\\ud800"
+        escape can carry) raises InvalidRequest, a ValueError naming it, rather than UnicodeEncodeError."""
+        try:
+            ids = list(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise InvalidRequest("text", "valid Unicode (no lone surrogates)", text[e.start]) from None
         return [BOS_ID, *ids] if add_bos else ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

@@ -36,6 +36,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
+import logging
 import os
 import sys
 import threading
@@ -61,6 +62,8 @@ from raystate.messages import (
 from raystate.metrics import EngineMetrics
 from raystate.scheduler.dispatch import IDLE_STEP, ActorDispatch, CompiledDispatch
 from raystate.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 _HEALTH = "__health__"  # owner of the health-check requests
 _MAX_FAILURES = 3  # consecutive failed steps of one shard before the engine gives up
@@ -125,6 +128,10 @@ class SchedulerActor:
         self.counts = collections.Counter(dict.fromkeys(_COUNTS, 0))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._beat = time.monotonic()  # the step loop's last pass (a stalled loop stops moving it)
+        # A step loop that has not passed for this long is stuck (a step, then a recovery, both timed out).
+        self.stall_timeout_s = step_timeout_s + 2 * respawn_timeout_s + 30.0
+        self._injected_fault: str | None = None
 
     # -- life cycle (event loop) ---------------------------------------------------------------------------
 
@@ -220,6 +227,32 @@ class SchedulerActor:
             return False
         return all(len(u.new_token_ids) == 1 and u.finish_reason == "length" for u in done)
 
+    def _step_loop_dead(self) -> str | None:
+        """Why the step loop cannot serve (stopped, failed, or stuck), or None while it runs."""
+        if self._fatal is not None:
+            return self._fatal
+        if self._thread is None or not self._thread.is_alive():
+            return "the scheduler's step loop is not running"
+        stalled = time.monotonic() - self._beat
+        if stalled > self.stall_timeout_s:
+            return f"the scheduler's step loop has not moved for {stalled:.0f} s"
+        return None
+
+    async def check_alive(self) -> None:
+        """Raises EngineDead unless the step loop runs: the cheap liveness check behind Serve's
+        `check_health` (status() still answers when the loop is dead; this does not)."""
+        why = self._step_loop_dead()
+        if why is not None:
+            raise EngineDead(why)
+
+    async def inject_fault(self, kind: str) -> None:
+        """Fault drills and tests: "step_loop" makes the step loop raise on its next pass, leaving the
+        actor itself running (the failure `check_alive` exists to catch)."""
+        if kind != "step_loop":
+            raise InvalidRequest("kind", "'step_loop'", kind)
+        self._injected_fault = kind
+        self._work.set()
+
     async def status(self) -> dict:
         with self._lock:
             stats = dataclasses.asdict(self._sched.stats())
@@ -236,6 +269,7 @@ class SchedulerActor:
             "dispatch_time_p50_us": dispatches[len(dispatches) // 2] * 1e6 if dispatches else 0.0,
             **dict(self.counts),
             **stats,
+            "step_loop_alive": self._step_loop_dead() is None,
             "error": self._fatal,
         }
 
@@ -317,7 +351,12 @@ class SchedulerActor:
         except BaseException as e:
             if not started.done():
                 started.set_exception(e)
-            why = f"scheduler step loop failed: {e!r}\n{traceback.format_exc()}"
+            # The traceback goes to the actor's log; clients (and HTTP bodies) get one line with no paths.
+            logger.error("scheduler %s: step loop failed:\n%s", self.name, traceback.format_exc())
+            if isinstance(e, EngineDead):  # our own one-line verdict (no traceback, no paths)
+                why = f"the engine gave up: {e}"
+            else:
+                why = f"the scheduler's step loop failed ({type(e).__name__}); see the scheduler actor's log"
             self._loop.call_soon_threadsafe(self._set_fatal, why)
         finally:
             if self._dispatch is not None:
@@ -342,6 +381,9 @@ class SchedulerActor:
         lookahead_ok = sched.config.async_scheduling
         done: tuple[list[RequestUpdate], list[tuple[float, float]]] = ([], [])
         while not self._stopping:
+            self._beat = time.monotonic()
+            if self._injected_fault is not None:
+                raise RuntimeError(f"fault injected: {self._injected_fault}")
             dispatch = self._dispatch
             lockstep = dispatch.lockstep
             refused = False
@@ -469,7 +511,9 @@ class SchedulerActor:
                 continue
             self._failures[s] += 1
             if self._failures[s] > _MAX_FAILURES:
-                raise EngineDead(f"shard {s} failed {self._failures[s]} steps in a row: {errors[s]!r}")
+                logger.error("shard %d: last step error: %r", s, errors[s])
+                kind = type(errors[s]).__name__
+                raise EngineDead(f"shard {s} failed {self._failures[s]} steps in a row ({kind})")
             with self._lock:
                 self._sched.reset_shard(s)
         if self._dispatch.lockstep:

@@ -26,6 +26,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3  # EOS or a stop token
     FINISHED_LENGTH = 4  # max_tokens reached
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # this request alone failed on its shard (non-finite logits, a bad value)
 
 
 class Request:

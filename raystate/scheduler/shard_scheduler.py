@@ -21,13 +21,26 @@ from operator import attrgetter
 from typing import NamedTuple
 
 from raystate.config import EngineConfig
-from raystate.messages import NewRequest, RequestUpdate, RunningDelta, StepMessage, StepResult, bytes_to_ids
+from raystate.messages import (
+    FAILED_ROW,
+    NewRequest,
+    RequestUpdate,
+    RunningDelta,
+    StepMessage,
+    StepResult,
+    bytes_to_ids,
+)
 from raystate.scheduler.kv_manager import KVManager
 from raystate.scheduler.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
 _num_scheduled = attrgetter("num_scheduled")
 _by_arrival = attrgetter("arrival")
+_FINISHED = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "error": RequestStatus.FINISHED_ERROR,
+}
 
 
 class _InflightStep(NamedTuple):
@@ -312,6 +325,14 @@ class ShardScheduler:
         for req, n, token in zip(step.rows, counts, sampled, strict=True):  # the hot loop
             if req.status is not running:  # aborted, or finished by the step before (lookahead)
                 continue
+            if token == FAILED_ROW:  # this request alone failed: end it, keep none of this step's KV
+                why = result.errors.get(req.req_id, "the worker could not compute this request")
+                self._finish(req, "error")
+                finished.append(req)
+                updates.append(
+                    RequestUpdate(req.req_id, [], True, "error", req.num_cached_tokens, req.replay_start, why)
+                )
+                continue
             computed = req.num_computed + n
             req.num_computed = computed
             req.num_scheduled = 0
@@ -348,7 +369,7 @@ class ShardScheduler:
     def _finish(self, req: Request, reason: str) -> None:
         self.running.remove(req)
         self.kv.free(req)
-        req.status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
+        req.status = _FINISHED[reason]
         req.finish_reason = reason
         self._finished_ids.append(req.req_id)
 

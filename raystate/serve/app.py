@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -25,11 +26,21 @@ from ray import serve
 from raystate.client import Client
 from raystate.config import CacheConfig, EngineConfig, SchedulerConfig
 from raystate.errors import InvalidRequest
-from raystate.serve.ingress import DEFAULT_MAX_BODY_BYTES, create_api
-from raystate.serve.server import RaystateServer
+from raystate.serve.ingress import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_CORS_HEADERS,
+    DEFAULT_CORS_METHODS,
+    DEFAULT_MAX_BODY_BYTES,
+    create_api,
+)
+from raystate.serve.server import DRAIN_CUT_MARGIN_S, RaystateServer
+
+logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "RAYSTATE_API_KEY"
 DEPLOYMENT_NAME = "RaystateOpenAI"
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
+DRAIN_NAMESPACE = "raystate"  # the Ray namespace of DrainNotice actors
 
 ClientFactory = Callable[[], Client | Awaitable[Client]]
 
@@ -57,9 +68,22 @@ class AppArgs(BaseModel):
     api_key: str | None = None  # None: RAYSTATE_API_KEY in the replica's environment, if set
     require_api_key: bool = False  # fail the replica rather than serve without a key
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
+    body_timeout_s: float = Field(DEFAULT_BODY_TIMEOUT_S, gt=0)  # 408 when the body takes longer
+    # Host header allow-list ("name", "*.domain", "*"; a port is ignored); empty: any Host.
+    allowed_hosts: list[str] = Field(default_factory=list)
+    # Origins whose web pages may call the API (CORS); empty: none, and no CORS headers at all.
+    cors_allow_origins: list[str] = Field(default_factory=list)
+    cors_allow_methods: list[str] = Field(default_factory=lambda: list(DEFAULT_CORS_METHODS))
+    cors_allow_headers: list[str] = Field(default_factory=lambda: list(DEFAULT_CORS_HEADERS))
+    # On shutdown, how long running requests (streams included) may still run before they are cut:
+    # `raystate serve` drains for this long; Serve's own replica shutdown waits this long plus a margin.
+    shutdown_grace_s: float = Field(DEFAULT_SHUTDOWN_GRACE_S, ge=0)
     num_replicas: int = Field(1, ge=1)
     # Batching happens in the engine, so the ingress must admit every stream it is given at once.
     max_ongoing_requests: int = Field(1024, ge=1)
+    # Serve's replica check (`check_alive`: a dead step loop fails it and the replica is replaced).
+    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
 
     def engine_config(self) -> EngineConfig:
         from raystate.llm import resolve_model_config
@@ -107,18 +131,78 @@ class RayBackend:
     num_shards: int
 
     def __call__(self) -> Client:
+        import ray
+
+        from raystate import launch
         from raystate.cluster import Cluster
 
         try:
-            return Cluster.connect(self.name)
+            cluster = Cluster.connect(self.name)
         except InvalidRequest:  # no deployment of that name yet
             pass
+        else:
+            try:
+                ray.get(cluster.scheduler.check_alive.remote(), timeout=30)
+                return cluster
+            except Exception as e:  # its step loop died (or it is gone): replace it
+                logger.warning("deployment %r is not alive (%s); starting a new one", self.name, e)
+                cluster.close()
+                launch.stop(self.name)
         try:
             return Cluster.start(self.config, name=self.name, num_shards=self.num_shards)
         except InvalidRequest as e:  # another replica started it in the meantime
             if e.field != "name":
                 raise
             return Cluster.connect(self.name)
+
+
+def drain_notice_name(app_name: str) -> str:
+    return f"raystate-drain:{app_name}"
+
+
+class DrainNotice:
+    """`raystate serve`'s shutdown, told to every replica of its application (a Ray actor, by name).
+
+    Why an actor: the CLI knows when it is signalled, but a Serve handle call reaches one replica, not
+    all of them, and Serve itself tells a replica nothing when it starts stopping it (`__del__` runs only
+    after Serve's own wait). So the CLI creates this actor before the application, each replica looks it
+    up when it starts and waits on it, and the CLI then waits for every replica's `drained` report.
+    """
+
+    def __init__(self) -> None:
+        self._grace_s: float | None = None
+        self._changed = asyncio.Event()
+        self._drained: set[str] = set()
+
+    async def drain(self, grace_s: float) -> None:
+        """Starts the drain, or moves its cut earlier (a shorter grace; a second Ctrl-C sends 0)."""
+        if self._grace_s is None or grace_s < self._grace_s:
+            self._grace_s = grace_s
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
+
+    async def wait(self, shorter_than: float | None = None) -> float:
+        """The grace period once a drain starts (or, given `shorter_than`, once it is shorter)."""
+        while self._grace_s is None or (shorter_than is not None and self._grace_s >= shorter_than):
+            await self._changed.wait()
+        return self._grace_s
+
+    def drained(self, replica: str) -> None:
+        self._drained.add(replica)
+
+    def num_drained(self) -> int:
+        return len(self._drained)
+
+
+def _find_drain_notice() -> tuple[Any, str] | None:
+    """This replica's DrainNotice and its replica id; None outside `raystate serve` (serve run/deploy)."""
+    import ray
+
+    try:
+        context = serve.get_replica_context()
+        return ray.get_actor(drain_notice_name(context.app_name), DRAIN_NAMESPACE), str(context.replica_id)
+    except Exception:  # not in a replica, or no notice actor: Serve's own replica shutdown only
+        return None
 
 
 class OpenAIIngress:
@@ -131,6 +215,7 @@ class OpenAIIngress:
         api_key: str | None,
         require_api_key: bool,
         max_body_bytes: int,
+        http_guards: dict[str, Any] | None = None,
     ) -> None:
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         if require_api_key and not api_key:
@@ -142,13 +227,39 @@ class OpenAIIngress:
         self._server = RaystateServer(client, model_name)
         self._api_key = api_key
         self._max_body_bytes = max_body_bytes
+        self._http_guards = dict(http_guards or {})
+        notice = _find_drain_notice()
+        # Requests run on this event loop, so the drain (which reschedules their timeouts) must too.
+        self._drain_task = None if notice is None else asyncio.create_task(self._follow_drain(*notice))
 
     def __serve_build_asgi_app__(self):
-        return create_api(self._server, self._api_key, self._max_body_bytes)
+        return create_api(self._server, self._api_key, self._max_body_bytes, **self._http_guards)
+
+    async def _follow_drain(self, notice, replica_id: str) -> None:
+        """Drains this replica when `raystate serve` is stopped (DrainNotice), then reports it drained."""
+        try:
+            grace_s = await notice.wait.remote()
+            self._server.begin_drain(grace_s)
+            drained = asyncio.ensure_future(self._server.wait_drained())
+            while True:  # a shorter grace (a second Ctrl-C) moves the cut earlier
+                shorter = asyncio.ensure_future(notice.wait.remote(grace_s))
+                await asyncio.wait({drained, shorter}, return_when=asyncio.FIRST_COMPLETED)
+                if drained.done():
+                    shorter.cancel()
+                    break
+                grace_s = shorter.result()
+                self._server.begin_drain(grace_s)
+            if not drained.result():
+                logger.warning("drain: %d requests still open after the cut", self._server.in_flight)
+            await notice.drained.remote(replica_id)
+        except Exception as e:  # the CLI (and its notice actor) went away: Serve's shutdown takes over
+            logger.warning("drain notice lost: %r", e)
 
     async def check_health(self) -> None:
-        """Serve's periodic replica check: the backend must answer (the cheap status call, not a step)."""
-        await self._server.status()
+        """Serve's periodic replica check: raises unless the backend's step loop runs (a cheap call, not
+        a step), so Serve replaces a replica whose engine died; the new replica's `RayBackend` then
+        replaces the dead deployment."""
+        await self._server.client.check_alive()
 
     async def __del__(self) -> None:
         server = getattr(self, "_server", None)  # None when __init__ failed
@@ -178,9 +289,29 @@ def make_app(args: dict[str, Any] | AppArgs | None = None, client_factory: Clien
         max_ongoing_requests=opts.max_ongoing_requests,
         # The model runs in the backend's actors (or, with backend local, on the replica's threads).
         ray_actor_options={"num_cpus": 0},
-        health_check_period_s=10,
-        health_check_timeout_s=60,
+        health_check_period_s=opts.health_check_period_s,
+        health_check_timeout_s=opts.health_check_timeout_s,
+        # Serve's own replica shutdown (serve deploy's updates, serve.delete, scaling down) waits for the
+        # replica's requests, streams included, this long before it kills the replica; checking every
+        # half second lets a replica go as soon as its last stream ends. Serve tells the replica nothing
+        # when that wait starts, so streams still open at the kill are cut without an error event, and
+        # `serve shutdown` (serve run's Ctrl-C) stops Serve's proxy at once, cutting every connection.
+        # `raystate serve` therefore drains the replicas itself first (DrainNotice).
+        graceful_shutdown_timeout_s=opts.shutdown_grace_s + DRAIN_CUT_MARGIN_S,
+        graceful_shutdown_wait_loop_s=0.5,
     )
+    http_guards = {
+        "body_timeout_s": opts.body_timeout_s,
+        "allowed_hosts": opts.allowed_hosts,
+        "cors_allow_origins": opts.cors_allow_origins,
+        "cors_allow_methods": opts.cors_allow_methods,
+        "cors_allow_headers": opts.cors_allow_headers,
+    }
     return deployment.bind(
-        client_factory, opts.served_model_name, opts.api_key, opts.require_api_key, opts.max_body_bytes
+        client_factory,
+        opts.served_model_name,
+        opts.api_key,
+        opts.require_api_key,
+        opts.max_body_bytes,
+        http_guards,
     )

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from raystate.client import Client
-from raystate.errors import EngineDead
+from raystate.errors import EngineDead, RequestFailed
 from raystate.messages import RequestUpdate, SamplingParams
 from raystate.serve.detokenize import TextStream
 from raystate.serve.metrics import ServeMetrics
@@ -105,6 +105,10 @@ class Generation:
         self.token_ids.extend(new)
         self.num_cached_tokens = update.num_cached_tokens
         self.replay_start = update.replay_start
+        if update.finish_reason == "error":  # this request alone failed; the metrics count it
+            self.finish_reason = "error"
+            self._done = True
+            raise RequestFailed(update.error or "the request failed")
         text = self._text.push(new, final=update.finished)
         if self._text.stopped:
             self.finish_reason = "stop"

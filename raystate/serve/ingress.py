@@ -6,14 +6,21 @@ its own layout), a 413 past the body size limit, a 401 without the API key. The 
 ASGI middleware: it covers every route (unknown ones included) except /health, and does not sit between a
 stream and its client the way Starlette's BaseHTTPMiddleware would.
 
+The other guards are plain ASGI middlewares too (see `create_api`): an optional Host allow-list (400) and
+CORS policy, a 408 when the body does not arrive in time (slow clients), and a 503 once the server drains
+for shutdown. The POST routes answer 415 unless the request declares `application/json` (which shuts out
+cross-site form posts).
+The request head's own deadline cannot live here (the ASGI app sees a request only once its head is
+complete): see proxy_guard.py.
+
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (a real one-token
 step), GET /metrics (Prometheus), GET /status (raystate extension: the backend's `Client.status()`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
 import logging
 from typing import Any
 
@@ -21,24 +28,31 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from raystate.errors import EngineDead, InvalidRequest
+from raystate.errors import EngineDead, InvalidRequest, RequestFailed
 from raystate.serve.generation import EventStream
 from raystate.serve.metrics import CONTENT_TYPE, ServeMetrics
 from raystate.serve.protocol import (
+    BodyError,
     ChatCompletionRequest,
     CompletionRequest,
     dump_response,
     error_body,
     first_error,
+    load_body,
 )
-from raystate.serve.server import RaystateServer
+from raystate.serve.server import RaystateServer, ServerShuttingDown
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 OPEN_PATHS = frozenset({"/health"})
+DEFAULT_BODY_TIMEOUT_S = 10.0
+DRAIN_OPEN_PATHS = frozenset({"/metrics"})  # still answered while the server drains
+DEFAULT_CORS_METHODS = ("GET", "POST")
+DEFAULT_CORS_HEADERS = ("Authorization", "Content-Type")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -85,6 +99,180 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+async def _reject(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    metrics: ServeMetrics,
+    status: int,
+    body: dict,
+    headers: dict[str, str] | None = None,
+) -> None:
+    """Answers from a middleware, counted like the routes' own errors."""
+    metrics.errors.labels(str(status)).inc()
+    await JSONResponse(body, status, headers=headers)(scope, receive, send)
+
+
+def _host_name(value: str) -> str:
+    """The host of a Host header, lower case and without its port ("[::1]:8000" -> "[::1]")."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        return value[: end + 1] if end > 0 else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class AllowedHostsMiddleware:
+    """Answers 400 unless the Host header names an allowed host: a name, `*.domain` (its subdomains) or
+    `*` (any). A port in the header or in the list is ignored.
+
+    Why: listening on 127.0.0.1 does not keep web pages out. Through DNS rebinding a page's own name is
+    made to resolve to 127.0.0.1, and the browser then sends it requests that carry that name in Host;
+    checking Host is what refuses them.
+    """
+
+    def __init__(self, app: ASGIApp, hosts: list[str], metrics: ServeMetrics) -> None:
+        self.app = app
+        names = [_host_name(h) for h in hosts]
+        self._any = "*" in names
+        self._exact = frozenset(n for n in names if not n.startswith("*"))
+        self._suffixes = tuple(n[1:] for n in names if n.startswith("*."))  # ".domain"
+        self._metrics = metrics
+
+    def _allowed(self, scope: Scope) -> bool:
+        if self._any:
+            return True
+        for name, value in scope.get("headers", []):
+            if name == b"host":
+                host = _host_name(value.decode("latin-1"))
+                return host in self._exact or (bool(self._suffixes) and host.endswith(self._suffixes))
+        return False  # no Host header (HTTP/1.0)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self._allowed(scope):
+            body = error_body(
+                "the Host header names a host this server does not serve", "invalid_request_error"
+            )
+            await _reject(scope, receive, send, self._metrics, 400, body)
+            return
+        await self.app(scope, receive, send)
+
+
+class DrainMiddleware:
+    """Counts the requests in progress for `RaystateServer.drain`; while the server drains, answers new
+    requests 503 (except on DRAIN_OPEN_PATHS, so that a scrape still sees the drain progress), and a
+    request that the drain's cut ended before its response began (`ServerShuttingDown`) 503 too."""
+
+    def __init__(self, app: ASGIApp, server: RaystateServer, metrics: ServeMetrics) -> None:
+        self.app = app
+        self._server = server
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self._server.draining and _route_path(scope) not in DRAIN_OPEN_PATHS:
+            body = error_body(
+                "the server is shutting down", "service_unavailable", None, "server_shutting_down"
+            )
+            await _reject(scope, receive, send, self._metrics, 503, body)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        with self._server.track_request():
+            try:
+                await self.app(scope, receive, send_tracked)
+            except ServerShuttingDown as e:
+                if started:
+                    raise
+                body = error_body(str(e), "service_unavailable", None, "server_shutting_down")
+                await _reject(scope, receive, send, self._metrics, 503, body)
+
+
+class _BodyTimeout(Exception):
+    """Raised into the app by BodyTimeoutMiddleware's `receive`; no route handles it."""
+
+
+class BodyTimeoutMiddleware:
+    """Answers 408 (and closes the connection) when a request's body has not fully arrived `timeout_s`
+    after the request reached the app.
+
+    Why: a client that sends its body one byte per second would otherwise hold a request slot and a
+    connection for as long as it likes. The bound is on the whole body, not on the gap between two
+    chunks, since a trickle never leaves a long gap. Once the body is complete, `receive` is left alone:
+    a streamed response waits on it for the client's disconnect for as long as the stream runs.
+    """
+
+    def __init__(self, app: ASGIApp, timeout_s: float, metrics: ServeMetrics) -> None:
+        self.app = app
+        self._timeout_s = timeout_s
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self._timeout_s
+        body_done = False
+        started = False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise _BodyTimeout from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, timed_receive, send_tracked)
+        except _BodyTimeout:
+            if started:
+                raise
+            body = error_body(
+                f"the request body did not arrive within {self._timeout_s:g} s",
+                "invalid_request_error",
+                None,
+                "request_timeout",
+            )
+            # The rest of the body is still on its way: the connection cannot carry another request.
+            await _reject(scope, receive, send, self._metrics, 408, body, {"Connection": "close"})
+
+
+def _require_json(request: Request) -> None:
+    """415 unless the request declares a JSON body (`application/json`, parameters allowed).
+
+    Why, beyond naming the client's mistake: any web page can make a browser send a cross-site POST
+    without asking first, as long as it looks like a form (text/plain, form encodings); a JSON POST from
+    another origin needs a CORS preflight, which this server refuses unless CORS is configured.
+    """
+    value = request.headers.get("content-type")
+    if (value or "").split(";", 1)[0].strip().lower() != "application/json":
+        got = f"got {value!r}" if value else "none was given"
+        raise APIError(
+            415,
+            f"the Content-Type header must be application/json ({got})",
+            "invalid_request_error",
+            None,
+            "unsupported_media_type",
+        )
+
+
 class SSEResponse(StreamingResponse):
     """A StreamingResponse that always closes its EventStream, however the response ends: a client that
     disconnects cancels the response task, and the request behind the stream must be aborted then."""
@@ -113,12 +301,9 @@ async def _read_json(request: Request, limit: int) -> Any:
                 413, f"request body over {limit} bytes", "invalid_request_error", None, "request_too_large"
             )
     try:
-        data = json.loads(body)
-    except ValueError as e:
-        raise APIError(400, f"request body is not valid JSON: {e}", "invalid_request_error") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object", "invalid_request_error")
-    return data
+        return load_body(bytes(body))
+    except BodyError as e:
+        raise APIError(400, str(e), "invalid_request_error", e.param) from None
 
 
 def _parse(model: type[BaseModel], data: dict) -> Any:
@@ -136,13 +321,41 @@ def _respond(result: BaseModel | EventStream, keep_token_ids: bool) -> Response:
 
 
 def create_api(
-    server: RaystateServer, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    server: RaystateServer,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    *,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    allowed_hosts: list[str] | None = None,
+    cors_allow_origins: list[str] | None = None,
+    cors_allow_methods: list[str] | tuple[str, ...] = DEFAULT_CORS_METHODS,
+    cors_allow_headers: list[str] | tuple[str, ...] = DEFAULT_CORS_HEADERS,
 ) -> FastAPI:
-    """The ASGI app. `api_key` None (or "") leaves every route open."""
+    """The ASGI app. `api_key` None (or "") leaves every route open; `allowed_hosts` None (or empty)
+    accepts any Host header; `cors_allow_origins` None (or empty) sends no CORS headers, so browsers keep
+    other origins' pages from reading responses (and from sending JSON POSTs, which need a preflight).
+
+    Middlewares, outermost first: allowed hosts (400), CORS (answers preflights before the key check,
+    which browsers send without credentials), drain (503 while shutting down), API key (401), body
+    timeout (408).
+    """
     api = FastAPI(title="raystate", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = server.metrics
+    # add_middleware puts each one outside those added before it.
+    api.add_middleware(BodyTimeoutMiddleware, timeout_s=body_timeout_s, metrics=metrics)
     if api_key:
         api.add_middleware(APIKeyMiddleware, api_key=api_key, metrics=metrics)
+    api.add_middleware(DrainMiddleware, server=server, metrics=metrics)
+    if cors_allow_origins:
+        api.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_allow_origins),
+            allow_methods=list(cors_allow_methods),
+            allow_headers=list(cors_allow_headers),
+            max_age=600,
+        )
+    if allowed_hosts:
+        api.add_middleware(AllowedHostsMiddleware, hosts=list(allowed_hosts), metrics=metrics)
 
     def _error(status: int, body: dict) -> JSONResponse:
         metrics.errors.labels(str(status)).inc()
@@ -158,7 +371,15 @@ def create_api(
 
     @api.exception_handler(EngineDead)
     async def _dead(_: Request, exc: EngineDead) -> JSONResponse:
-        return _error(503, error_body(f"the engine is not available: {exc}", "service_unavailable"))
+        # EngineDead may carry the scheduler actor's traceback: the log keeps it, the client gets a fixed
+        # message (no traceback, no file paths in a response body).
+        logger.warning("engine not available: %s", exc)
+        return _error(503, error_body("the engine is not available", "service_unavailable"))
+
+    @api.exception_handler(RequestFailed)
+    async def _failed(_: Request, exc: RequestFailed) -> JSONResponse:
+        logger.warning("request failed: %s", exc)
+        return _error(500, error_body(f"the request failed: {exc}", "internal_error"))
 
     @api.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -171,11 +392,13 @@ def create_api(
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        _require_json(request)
         req = _parse(CompletionRequest, await _read_json(request, max_body_bytes))
         return _respond(await server.completion(req), bool(req.return_token_ids))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        _require_json(request)
         req = _parse(ChatCompletionRequest, await _read_json(request, max_body_bytes))
         return _respond(await server.chat(req), bool(req.return_token_ids))
 

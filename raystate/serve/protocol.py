@@ -1,29 +1,209 @@
-"""The subset of the OpenAI HTTP API that raystate serves, as pydantic models.
+"""The subset of the OpenAI HTTP API that raystate serves, as pydantic models, and the JSON body reader.
 
 Requests forbid unknown fields (as OpenAI does: a misspelt `max_token` must not be silently ignored), and
-fields whose JSON type is a union (`prompt`, `stop`, message `content`) are checked by our own validators,
-so that a validation error's location is always the field's own name (`prompt`, `messages[0].role`) and
-never a pydantic union tag. Parameters raystate does not implement are accepted only at their neutral
-value, so a client that relies on them gets a 400 naming the field instead of a quietly different answer.
+fields whose JSON type is a union (`prompt`, `stop`, message `content`, `tool_choice`) are checked by our
+own validators, so that a validation error's location is always the field's own name (`prompt`,
+`messages[0].role`) and never a pydantic union tag. Parameters raystate does not implement are accepted
+only at their neutral value, so a client that relies on them gets a 400 naming the field instead of a
+quietly different answer.
+
+Every bad input must be a 400 naming the field, never a 500, and nothing a client sends may reach the
+engine in a form that breaks it: so `load_body` rejects, before pydantic sees the body, what Python's
+`json` would otherwise let through (NaN and Infinity, floats that overflow to inf, integers past 64 bits,
+lone UTF-16 surrogates that no UTF-8 encoder takes, nesting deep enough to exhaust the recursion limit),
+each with the path of the value at fault; and the models bound every string and list a request may send.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+# -- limits ---------------------------------------------------------------------------------------------
+# The body as a whole is capped by the ingress (max_body_bytes, 1 MiB by default); these bound what one
+# field may hold, so that no field costs more than its use is worth and no value overflows downstream.
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_INT32 = 2**31 - 1
+# The body object is level 1; the deepest field raystate reads, messages[i].content[j].text, is at
+# level 5. 32 leaves room for clients that send (rejected) tools or schemas with some structure, and is
+# far below the ~1000 levels at which json.loads or pydantic hit Python's recursion limit.
+MAX_JSON_DEPTH = 32
+MAX_SEED = INT64_MAX
+MAX_TOP_K = MAX_INT32  # any top_k >= the vocabulary size means "off"; bounded so it fits every int field
 MAX_STOP_STRINGS = 16
-MAX_SEED = 2**63 - 1
+MAX_STOP_CHARS = 256  # per stop string: the detokenizer holds back up to this many characters
+MAX_STOP_TOKEN_IDS = 1024
+MAX_MESSAGES = 1024
+MAX_CONTENT_PARTS = 1024  # text parts in one message's content
+MAX_NAME_CHARS = 64  # a message's `name` (OpenAI's own limit)
+MAX_MODEL_CHARS = 256  # `model`: echoed back in the error when it names no served model
+MAX_USER_CHARS = 256  # `user`: an end-user id, kept by nobody here
+MAX_ERROR_CHARS = 1024  # an error's message and param (see error_body)
+MAX_PARAM_PART_CHARS = 64  # a client-made name (an unknown field) in an error's param (see field_path)
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+# -- the JSON body --------------------------------------------------------------------------------------
+
+
+class BodyError(ValueError):
+    """A body that is not a JSON object raystate can validate. `param` names the field at fault, if one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Unusable:
+    """Stands in for an integer literal too long for int() (past 4300 digits Python refuses it, and json
+    with it), so that such a body is still a 400 naming the field; see load_body."""
+
+    __slots__ = ()
+
+
+_HUGE_INT = _Unusable()
+_NOT_FINITE = "must be a finite number (NaN and Infinity are not JSON numbers)"
+_OUT_OF_INT64 = f"integer out of range (must be in [{INT64_MIN}, {INT64_MAX}])"
+
+
+def _parse_int_leniently(literal: str) -> int | _Unusable:
+    return _HUGE_INT if len(literal) > len(str(INT64_MIN)) else int(literal)
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # escapes included
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_INNERMOST = re.compile(r"\[\]|\{\}")  # one pass of sub() removes exactly one level
+_DEPTH_TOKEN = re.compile(rf"{_JSON_STRING.pattern}|[\[\]{{}}]", re.DOTALL)  # a string or a bracket
+
+
+def _too_deep(text: str) -> tuple[bool, str | None]:
+    """(whether some value is nested deeper than MAX_JSON_DEPTH, the top-level key it sits under).
+
+    Runs before json.loads, which recurses once per level (RecursionError at ~1000 levels, and the C
+    stack at risk past that wherever the recursion limit is raised), and without recursion itself: the
+    text less its strings is cut down to its brackets, from which each pass of re.sub removes the
+    innermost level ("[]", "{}"); brackets left after MAX_JSON_DEPTH passes mean a deeper value (or
+    unbalanced brackets, which json.loads reports). Only then does a token scan look for the key. Bodies
+    with at most MAX_JSON_DEPTH brackets cannot be too deep and are not looked at.
+    """
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return False, None
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    for _ in range(MAX_JSON_DEPTH):
+        brackets = _INNERMOST.sub("", brackets)
+        if not brackets:
+            return False, None
+    depth, key = 0, None
+    for m in _DEPTH_TOKEN.finditer(text):
+        token = m.group()
+        if token[0] == '"':
+            if depth == 1:  # in the body object: the last string before a container is that value's key
+                key = token
+        elif token in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                try:
+                    name = json.loads(key) if key is not None else None
+                except ValueError:
+                    name = None
+                return True, field_path((name,)) if isinstance(name, str) else None
+        else:
+            depth -= 1
+    return False, None  # unbalanced brackets: json.loads says where
+
+
+def _is_unicode(s: str) -> bool:
+    """False for a string holding a lone surrogate ("\\ud800" in JSON): valid JSON, but no UTF-8 encoder
+    (the tokenizer's, the response's) takes it."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_values(body: dict) -> None:
+    """Raises BodyError naming the first value (in a walk without recursion) that is a NaN or infinite
+    float (json takes NaN, Infinity and 1e999), an integer past 64 bits, or a string with a lone
+    surrogate, keys included. Types are compared exactly: json makes no subclasses, and a bool is no int."""
+    stack: list[tuple[Any, tuple]] = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        if type(value) is dict:
+            for k in value:
+                if not _is_unicode(k):
+                    p = field_path((*path, k))
+                    raise BodyError(f"{p}: field name is not valid Unicode (a lone surrogate)", p)
+            children = value.items()
+        else:
+            children = enumerate(value)
+        nested = []
+        for k, v in children:
+            t = type(v)
+            if t is str:
+                why = None if _is_unicode(v) else "not valid Unicode text (it holds a lone surrogate)"
+            elif t is int:
+                why = None if INT64_MIN <= v <= INT64_MAX else _OUT_OF_INT64
+            elif t is float:
+                why = None if math.isfinite(v) else _NOT_FINITE
+            elif t is dict or t is list:
+                nested.append((v, (*path, k)))
+                continue
+            elif t is _Unusable:
+                why = _OUT_OF_INT64
+            else:
+                continue
+            if why is not None:
+                p = field_path((*path, k))
+                raise BodyError(f"{p}: {why}", p)
+        stack.extend(reversed(nested))
+
+
+def load_body(body: bytes) -> dict:
+    """The request body as a JSON object whose every number is finite and fits 64 bits, every string is
+    valid Unicode and nothing is nested deeper than MAX_JSON_DEPTH; else BodyError (a 400)."""
+    try:
+        text = body.decode("utf-8-sig")  # RFC 8259: JSON between systems is UTF-8 (a BOM is tolerated)
+    except UnicodeDecodeError as e:
+        raise BodyError(f"request body is not valid UTF-8 (byte {e.start})") from None
+    deep, param = _too_deep(text)
+    if deep:
+        where = f"{param}: " if param else ""
+        raise BodyError(f"{where}nested deeper than {MAX_JSON_DEPTH} levels", param)
+    try:
+        try:
+            data = json.loads(text)  # the C parser at full speed; _check_values then walks the result
+        except ValueError:
+            # Perhaps only an integer literal int() refuses: parsed again with those set aside, the body's
+            # walk names the field; a body that is not JSON fails again, with json's own message.
+            data = json.loads(text, parse_int=_parse_int_leniently)
+    except RecursionError:  # cannot happen below MAX_JSON_DEPTH; kept so it can never be a 500
+        raise BodyError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:
+        raise BodyError(f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise BodyError("request body must be a JSON object")
+    _check_values(data)
+    return data
+
+
+# -- requests -------------------------------------------------------------------------------------------
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan=False: also when a model is built from Python values rather than load_body's output.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -33,10 +213,10 @@ class StreamOptions(_Request):
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
+    model: str | None = Field(None, max_length=MAX_MODEL_CHARS)
     temperature: float | None = Field(None, ge=0.0)  # None: 1.0, OpenAI's default
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # raystate extension; 0 or -1: off
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # raystate extension; 0 or -1: off
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: list[str] | None = None
     stream: bool | None = False
@@ -45,10 +225,10 @@ class _SamplingFields(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)
     # raystate extensions (vLLM spells them the same way)
     ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     return_token_ids: bool | None = False
 
     @field_validator("stop", mode="before")
@@ -62,6 +242,9 @@ class _SamplingFields(_Request):
             raise ValueError("must be a non-empty string or a list of non-empty strings")
         if len(v) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(v)}")
+        longest = max(len(s) for s in v) if v else 0
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings of at most {MAX_STOP_CHARS} characters, got one of {longest}")
         return v
 
     @field_validator("n")
@@ -145,7 +328,7 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
-    name: str | None = None
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -154,6 +337,8 @@ class ChatMessage(_Request):
         if v is None or isinstance(v, str):
             return v
         if isinstance(v, list) and all(isinstance(p, dict) for p in v):
+            if len(v) > MAX_CONTENT_PARTS:
+                raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts, got {len(v)}")
             if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in v):
                 raise ValueError("only text content parts are supported")
             return "".join(p["text"] for p in v)
@@ -163,13 +348,13 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions, rendered through the byte model's plain chat template."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: Any = None  # "none", "auto" or absent: checked by _no_tool_choice
     response_format: dict | None = None
 
     @field_validator("logprobs")
@@ -193,11 +378,12 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("tools are not supported")
         return v
 
-    @field_validator("tool_choice")
+    @field_validator("tool_choice", mode="before")
     @classmethod
     def _no_tool_choice(cls, v: Any) -> Any:
-        if v not in (None, "none", "auto"):
-            raise ValueError("tools are not supported")
+        """Before pydantic's own check, which on a `str | dict` union would name the union's members."""
+        if not (v is None or (isinstance(v, str) and v in ("none", "auto"))):
+            raise ValueError("tools are not supported (tool_choice may only be 'none' or 'auto')")
         return v
 
     @field_validator("response_format")
@@ -328,8 +514,21 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+def _printable(text: str, limit: int) -> str:
+    """`text` as a response may carry it: lone surrogates escaped (no UTF-8 encoder takes them), at most
+    `limit` characters."""
+    if not _is_unicode(text):
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    """The JSON body OpenAI's clients parse into an APIError (they read `error.message` and `.param`)."""
+    """The JSON body OpenAI's clients parse into an APIError (they read `error.message` and `.param`).
+
+    Message and param may quote what the client sent: they are made encodable and bounded here, so that
+    rendering an error can never fail (a 500) or echo a megabyte back."""
+    message = _printable(message, MAX_ERROR_CHARS)
+    param = None if param is None else _printable(param, MAX_ERROR_CHARS)
     return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()
 
 
@@ -346,13 +545,15 @@ def dump_response(payload: BaseModel, keep_token_ids: bool) -> dict:
 
 
 def field_path(loc: tuple[int | str, ...]) -> str:
-    """('messages', 0, 'role') -> 'messages[0].role'."""
+    """('messages', 0, 'role') -> 'messages[0].role'. A name the client made up (an unknown field, a
+    logit_bias key) is shown escaped and cut to MAX_PARAM_PART_CHARS; an empty one as '""'."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
         else:
-            out += f".{part}" if out else str(part)
+            name = _printable(str(part), MAX_PARAM_PART_CHARS) if part != "" else '""'
+            out += f".{name}" if out else name
     return out
 
 

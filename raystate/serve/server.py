@@ -14,7 +14,9 @@ back to the pool without waiting for max_tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from raystate.client import Client
-from raystate.errors import EngineDead, InvalidRequest
+from raystate.errors import EngineDead, InvalidRequest, RequestFailed
 from raystate.messages import SamplingParams
 from raystate.serve.generation import EventStream, Generation, Prepared
 from raystate.serve.metrics import ServeMetrics
@@ -45,7 +47,14 @@ from raystate.serve.protocol import (
 )
 from raystate.tokenizer import ByteTokenizer
 
+logger = logging.getLogger(__name__)
+
 HEALTH_TIMEOUT_S = 60.0
+DRAIN_CUT_MARGIN_S = 5.0  # after the cut, time for the cut streams to send their last events
+
+
+class ServerShuttingDown(Exception):
+    """A request still running when the drain's grace period ended (the ingress answers 503)."""
 
 
 def _sse(payload: BaseModel, keep_token_ids: bool) -> str:
@@ -59,7 +68,10 @@ SSE_DONE = "data: [DONE]\n\n"
 def _stream_error(exc: BaseException) -> str:
     if isinstance(exc, InvalidRequest):
         body = error_body(str(exc), "invalid_request_error", exc.field)
-    else:
+    elif isinstance(exc, RequestFailed):  # our own one-line reason (no traceback, no paths)
+        body = error_body(f"the request failed: {exc}", "internal_error")
+    else:  # EngineDead may carry the scheduler actor's traceback: it goes to the log, not to the client
+        logger.warning("stream failed: %s", exc, exc_info=not isinstance(exc, EngineDead))
         body = error_body(f"generation failed: {type(exc).__name__}", "internal_error")
     return f"data: {json.dumps(body)}\n\n"
 
@@ -80,8 +92,21 @@ class RaystateServer:
         self.tokenizer = ByteTokenizer()
         self.metrics = metrics or ServeMetrics()
         self._aborts: set[asyncio.Task] = set()
+        # Shutdown drain (see `drain`): requests in progress, and the event loop time of the cut.
+        self._in_flight = 0
+        self._grace_s: float | None = None
+        self._cut_at: float | None = None
+        self._cut_scopes: set[asyncio.Timeout] = set()
 
     # -- request preparation --------------------------------------------------------------------------
+
+    def _encode(self, text: str, field: str) -> list[int]:
+        """BOS + the text's tokens; text the tokenizer refuses (a lone surrogate) is a 400 naming `field`.
+        The ingress refuses such text before this (load_body); this keeps other front ends safe too."""
+        try:
+            return self.tokenizer.encode(text, add_bos=True)
+        except InvalidRequest as e:
+            raise InvalidRequest(field, e.limit, e.got) from None
 
     def _check_model(self, model: str | None) -> None:
         if model not in (None, "", self.model_name):
@@ -111,7 +136,7 @@ class RaystateServer:
     def _prepare_completion(self, req: CompletionRequest) -> Prepared:
         self._check_model(req.model)
         if isinstance(req.prompt, str):
-            ids = self.tokenizer.encode(req.prompt, add_bos=True)
+            ids = self._encode(req.prompt, "prompt")
         else:
             ids = list(req.prompt)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -137,7 +162,7 @@ class RaystateServer:
         for m in messages:
             m.setdefault("content", None)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self.tokenizer.encode(text, add_bos=True)
+        ids = self._encode(text, "messages")
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
                 "messages", f"shorter than max_model_len={self.max_model_len} tokens", len(ids)
@@ -166,7 +191,8 @@ class RaystateServer:
     async def _start(self, prep: Prepared) -> Generation:
         gen = Generation(self.client, prep, self.metrics, self._aborts)
         try:
-            await gen.start()
+            async with self._until_cut():  # a request still queued at the drain's cut is cut too
+                await gen.start()
         except InvalidRequest as e:  # the backend's own checks, renamed to the OpenAI field
             if e.field == "prompt_token_ids":
                 raise InvalidRequest(
@@ -181,9 +207,8 @@ class RaystateServer:
         prep = self._prepare_completion(req)
         gen = await self._start(prep)
         if req.stream:
-            return EventStream(self._stream_completion(gen, prep), gen)
-        async for _ in gen.deltas():
-            pass
+            return EventStream(self._cuttable(self._stream_completion(gen, prep)), gen)
+        await self._run_to_end(gen)
         choice = CompletionChoice(
             text=gen.text,
             finish_reason=gen.finish_reason,
@@ -203,8 +228,9 @@ class RaystateServer:
             async for d in gen.deltas():
                 choice = CompletionChoice(text=d.text, finish_reason=d.finish_reason, token_ids=d.token_ids)
                 yield _sse(CompletionChunk(**head, choices=[choice]), prep.return_token_ids)
-        except (InvalidRequest, EngineDead) as e:
+        except Exception as e:  # the headers are sent: an error event, never a cut connection
             yield _stream_error(e)
+            yield SSE_DONE  # as vLLM does: a client reading to [DONE] is never left waiting
             return
         if prep.include_usage:
             yield _sse(CompletionChunk(**head, choices=[], usage=gen.usage()), False)
@@ -214,9 +240,8 @@ class RaystateServer:
         prep = self._prepare_chat(req)
         gen = await self._start(prep)
         if req.stream:
-            return EventStream(self._stream_chat(gen, prep), gen)
-        async for _ in gen.deltas():
-            pass
+            return EventStream(self._cuttable(self._stream_chat(gen, prep)), gen)
+        await self._run_to_end(gen)
         choice = ChatChoice(
             message=AssistantMessage(content=gen.text),
             finish_reason=gen.finish_reason,
@@ -245,8 +270,9 @@ class RaystateServer:
                     delta=ChatDelta(content=d.text), finish_reason=d.finish_reason, token_ids=d.token_ids
                 )
                 yield _sse(ChatCompletionChunk(**head, choices=[choice]), keep_ids)
-        except (InvalidRequest, EngineDead) as e:
+        except Exception as e:  # the headers are sent: an error event, never a cut connection
             yield _stream_error(e)
+            yield SSE_DONE  # as vLLM does: a client reading to [DONE] is never left waiting
             return
         if prep.include_usage:
             yield _sse(ChatCompletionChunk(**head, choices=[], usage=gen.usage()), False)
@@ -274,6 +300,121 @@ class RaystateServer:
         except Exception:  # the scrape still reports latencies, with raystate_backend_up 0
             status = None
         return self.metrics.render(status)
+
+    # -- shutdown drain -------------------------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        """True once `drain` began: the ingress answers new requests 503."""
+        return self._cut_at is not None
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in progress, as counted by `track_request`."""
+        return self._in_flight
+
+    @contextlib.contextmanager
+    def track_request(self):
+        """Counts one request in progress while it runs; the front end wraps each request it admits in
+        this (streams included, until their last event is sent), which is what `drain` waits for."""
+        self._in_flight += 1
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+
+    async def drain(self, grace_s: float) -> bool:
+        """Stops intake, lets the requests in progress run for `grace_s`, then cuts those still running.
+
+        Why the cut: a process that simply exits leaves each open stream mid-body, which clients read as
+        a network failure; a cut stream instead ends the way streams end, with an error event and
+        `data: [DONE]`, and a cut request that is not streamed gets a 503. Returns True once no request
+        is in progress, False if some still are DRAIN_CUT_MARGIN_S after the cut (a client that stopped
+        reading its stream).
+        """
+        self.begin_drain(grace_s)
+        return await self.wait_drained()
+
+    def begin_drain(self, grace_s: float) -> None:
+        """`drain` without the wait (call it on the server's event loop). A later call can only move the
+        cut earlier: a second Ctrl-C passes 0 to end every stream now."""
+        cut_at = asyncio.get_running_loop().time() + max(0.0, grace_s)
+        if self._cut_at is None or cut_at < self._cut_at:
+            self._grace_s, self._cut_at = grace_s, cut_at
+            for scope in list(self._cut_scopes):
+                scope.reschedule(cut_at)
+
+    async def wait_drained(self) -> bool:
+        """Waits until no request is in progress (True) or DRAIN_CUT_MARGIN_S past the cut (False)."""
+        if self._cut_at is None:
+            raise RuntimeError("wait_drained before begin_drain")
+        loop = asyncio.get_running_loop()
+        while self._in_flight > 0 and loop.time() < self._cut_at + DRAIN_CUT_MARGIN_S:
+            await asyncio.sleep(0.05)
+        return self._in_flight == 0
+
+    def _cut_message(self, what: str) -> str:
+        if not self._grace_s:  # a drain with no grace (a second Ctrl-C)
+            return f"the server is shutting down: the {what} was ended"
+        return f"the server is shutting down: the {what} was ended after the {self._grace_s:g} s grace period"
+
+    @contextlib.asynccontextmanager
+    async def _until_cut(self) -> AsyncIterator[None]:
+        """Runs its body until the drain's cut (no bound before a drain); the cut raises ServerShuttingDown.
+
+        The bound is an asyncio timeout whose deadline `drain` reschedules, so a body that began before
+        the drain is cut all the same.
+        """
+        scope = asyncio.timeout_at(self._cut_at)
+        try:
+            async with scope:
+                self._cut_scopes.add(scope)
+                try:
+                    yield
+                finally:
+                    self._cut_scopes.discard(scope)
+        except TimeoutError:
+            if not scope.expired():
+                raise
+            raise ServerShuttingDown(self._cut_message("request")) from None
+
+    async def _run_to_end(self, gen: Generation) -> None:
+        """Consumes a generation that is not streamed, up to the drain's cut."""
+        async with self._until_cut():
+            async for _ in gen.deltas():
+                pass
+
+    async def _cuttable(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """`events` as they come; at the drain's cut, an error event and `data: [DONE]` instead.
+
+        Only the wait for the next event is bounded, never the `yield`: a cut that landed while the event
+        is being sent would cancel the ASGI server's send instead of ending the stream here. Cutting the
+        wait closes `events`, which aborts the request (its KV blocks go back at once). `_until_cut`
+        inlined: this runs once per token of every stream.
+        """
+        scopes = self._cut_scopes
+        try:
+            while True:
+                scope = asyncio.timeout_at(self._cut_at)
+                try:
+                    async with scope:
+                        scopes.add(scope)
+                        try:
+                            event = await anext(events)
+                        finally:
+                            scopes.discard(scope)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    if not scope.expired():
+                        raise
+                    break
+                yield event
+        finally:
+            await events.aclose()
+        body = error_body(self._cut_message("stream"), "service_unavailable", None, "server_shutting_down")
+        yield f"data: {json.dumps(body)}\n\n"
+        yield SSE_DONE
 
     async def shutdown(self) -> None:
         await self.client.shutdown()

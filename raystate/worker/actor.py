@@ -50,11 +50,7 @@ class WorkerActor:
         """Drops every request (their device state is stale after a lost step); returns how many."""
         if self.worker is None:
             return 0
-        states = self.worker.states
-        ids = list(states.slot_of)
-        for req_id in ids:
-            states.remove(req_id)
-        return len(ids)
+        return self.worker.reset()
 
     def num_active(self) -> int:
         return 0 if self.worker is None else self.worker.num_active()

@@ -8,7 +8,8 @@ padded batch size (1, 2, 4, ... max_num_seqs), holds the step's device work from
     staged row data (one pinned host -> device copy per step: state slot, position, seq len, query start)
     -> chunk starts scattered into the token-state's device copy -> input ids gathered from the token
     history -> engram lookback (`gather_lookback`) -> slot mappings (`compute_slot_mappings`) -> block
-    tables gathered per row -> forward -> logits -> greedy argmax -> the argmax appended to the history.
+    tables gathered per row -> forward -> logits -> greedy argmax (FAILED_ROW where a row's logits are
+    not finite) -> the argmax appended to the history.
 
 The host's share per step is filling the staging buffer, one copy, one replay, one copy of the sampled
 ids back. Rows past the batch size are padding: they point at the token state's scratch slot (never a
@@ -25,6 +26,7 @@ import torch
 
 from raystate.kernels import compute_slot_mappings, gather_lookback
 from raystate.model.attention import ForwardMetadata, GroupMetadata
+from raystate.worker.sampler import greedy_checked
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -99,9 +101,10 @@ class DecodeGraphs:
         logits = self.logits[:size]
         logits.copy_(w.model.compute_logits(hidden))
         sampled = self.sampled[:size]
-        torch.argmax(logits, dim=-1, out=sampled)
-        # Padding rows append to the scratch slot's history, which no request reads.
-        states.all_token_ids[slots, positions + 1] = sampled.to(torch.int32)
+        sampled.copy_(greedy_checked(logits))  # FAILED_ROW where a row's logits are not finite
+        # Padding rows append to the scratch slot's history, which no request reads. A failed row
+        # appends 0, a valid id, for a step planned on top of this one to read.
+        states.all_token_ids[slots, positions + 1] = sampled.clamp(min=0).to(torch.int32)
 
     def _stage_padding(self) -> None:
         """Every row padding: what capture runs on (nothing a request owns is read or written)."""

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from raystate.config import EngineConfig
-from raystate.messages import StepMessage, StepResult, ids_to_bytes
+from raystate.errors import InvalidRequest
+from raystate.messages import FAILED_ROW, NewRequest, StepMessage, StepResult, bytes_to_ids, ids_to_bytes
 from raystate.model import load_model
 from raystate.state.input_batch import InputBatch
 from raystate.state.model_state import HybridModelState
@@ -25,7 +26,7 @@ from raystate.state.requests import RequestStates
 from raystate.worker.block_table import BlockTables
 from raystate.worker.cudagraph import DecodeGraphs, ReadyEvent
 from raystate.worker.kv_cache import allocate_kv_caches
-from raystate.worker.sampler import Sampler
+from raystate.worker.sampler import NONFINITE_LOGITS, Sampler, is_greedy
 
 # (req_id, position of the first row, logits fp32 [n, V]) for every computed token; a test hook.
 LogitRecorder = Callable[[str, int, torch.Tensor], None]
@@ -48,6 +49,8 @@ class PendingStep:
     req_ids: list[str] = field(default_factory=list)
     sampled_host: torch.Tensor | None = None  # int64 [B], pinned on CUDA
     ready: ReadyEvent | None = None
+    errors: dict[str, str] = field(default_factory=dict)  # req_id -> why, for rows that failed
+    row_order: list[str] | None = None  # the message's rows, when some were refused at launch
 
 
 class Worker:
@@ -78,6 +81,7 @@ class Worker:
             self.groups, self.model.token_lookback_depth, max_reqs, self.device
         )
         self.sampler = Sampler(self.device, config.seed)
+        self._refused: dict[str, str] = {}  # req_id -> why, until the scheduler ends the request
         self.logit_recorder: LogitRecorder | None = None
         # Profile mode (set through InProcessEngine.profile): execute() records last_phases, the ns of its
         # prepare / forward / sample phases, syncing a CUDA device at each boundary so GPU work lands in
@@ -91,12 +95,36 @@ class Worker:
 
     # -- applying the message -------------------------------------------------------------------------
 
-    def _apply(self, msg: StepMessage) -> tuple[list[str], list[int]]:
+    def _check_new(self, req: NewRequest) -> str | None:
+        """Why this worker must not take `req` (a bad value that got past the scheduler's checks), or
+        None. A request refused here fails alone; a token id outside the vocabulary would otherwise
+        index the embedding out of bounds, which on CUDA takes the whole device context down."""
+        try:
+            req.sampling.validate(self.model.config.vocab_size)
+        except InvalidRequest as e:
+            return f"invalid request: {e}"
+        ids = np.frombuffer(req.token_ids, dtype="<i4")
+        vocab = self.model.config.vocab_size
+        if ids.size == 0 or ids.size > self.states.max_model_len:
+            return f"invalid request: {ids.size} token ids (limit {self.states.max_model_len})"
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            return f"invalid request: token ids must be in [0, {vocab})"
+        return None
+
+    def _apply(self, msg: StepMessage) -> tuple[list[str], list[int], dict[str, str]]:
+        """Applies the message; returns the rows to compute (ids, tokens each) and the new requests
+        refused (req_id -> why): those are not computed and their rows answer FAILED_ROW."""
         for req_id in (*msg.finished_ids, *msg.preempted_ids):
             self.states.remove(req_id)
+            self._refused.pop(req_id, None)
         rows: list[str] = []
         num_scheduled: list[int] = []
+        refused: dict[str, str] = {}
         for req in msg.new_requests:
+            why = self._check_new(req)
+            if why is not None:
+                refused[req.req_id] = self._refused[req.req_id] = why
+                continue
             slot = self.states.add(req)
             self.block_tables.set_row(slot, req.block_ids)
             self.model_state.add_request(slot, req.replay_start)
@@ -105,12 +133,15 @@ class Worker:
                 num_scheduled.append(req.num_scheduled)
         for delta in msg.running:
             slot = self.states.slot_of.get(delta.req_id)
+            if slot is None and delta.req_id in self._refused:  # refused when admitted unscheduled
+                refused[delta.req_id] = self._refused[delta.req_id]
+                continue
             if slot is None:
                 raise KeyError(f"running: request {delta.req_id!r} is not on this worker")
             self.block_tables.append(slot, delta.new_block_ids)
             rows.append(delta.req_id)
             num_scheduled.append(delta.num_scheduled)
-        return rows, num_scheduled
+        return rows, num_scheduled, refused
 
     # -- the step -------------------------------------------------------------------------------------
 
@@ -128,17 +159,25 @@ class Worker:
         the host mirrors of lengths advance here, at launch.
         """
         t0 = self._phase_mark() if self.profile else time.perf_counter_ns()
-        rows, num_scheduled = self._apply(msg)
+        rows, num_scheduled, refused = self._apply(msg)
+        pending = self._launch_rows(msg.step_id, rows, num_scheduled, t0)
+        if refused:
+            pending.errors.update(refused)
+            pending.row_order = [r.req_id for r in msg.new_requests if r.num_scheduled > 0]
+            pending.row_order += [d.req_id for d in msg.running]
+        return pending
+
+    def _launch_rows(self, step_id: int, rows: list[str], num_scheduled: list[int], t0: int) -> PendingStep:
         if not rows:
             if self.profile:
                 self.last_phases = (self._phase_mark() - t0, 0, 0)
-            return PendingStep(t0, StepResult(step_id=msg.step_id, req_ids=[], sampled=b"", execute_ns=0))
+            return PendingStep(t0, StepResult(step_id=step_id, req_ids=[], sampled=b"", execute_ns=0))
         states = self.states
         self.block_tables.commit()
         if self.graphs is not None and self.logit_recorder is None:
             decode_rows = self._graph_decode_rows(rows, num_scheduled)
             if decode_rows is not None:
-                return self._graph_decode(msg.step_id, rows, *decode_rows, t0)
+                return self._graph_decode(step_id, rows, *decode_rows, t0)
         states.sync_num_computed()
         batch = InputBatch.build(states, rows, num_scheduled)
         lookback = self.model_state.prepare_inputs(batch, states)
@@ -156,16 +195,19 @@ class Worker:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if self.profile:
             t_forward = self._phase_mark()
-        sampled = self._sample(batch, logits)
+        sampled, errors = self._sample(batch, logits)
         states.num_computed[batch.idx_mapping_np] += batch.num_scheduled_np
         if self.profile:
             t_sampled = self._phase_mark()
             self.last_phases = (t_prepared - t0, t_forward - t_prepared, t_sampled - t_forward)
-        result = StepResult(step_id=msg.step_id, req_ids=rows, sampled=ids_to_bytes(sampled.tolist()))
-        return PendingStep(t0, result)
+        result = StepResult(step_id=step_id, req_ids=rows, sampled=ids_to_bytes(sampled.tolist()))
+        return PendingStep(t0, result, errors=errors)
 
     def finish(self, pending: PendingStep) -> StepResult:
-        """Waits for a launched step's sampled ids (if its device work is still running); its answer."""
+        """Waits for a launched step's sampled ids (if its device work is still running); its answer.
+
+        Rows that failed (FAILED_ROW) carry why in `errors`; requests refused at launch get a FAILED_ROW
+        row each, in the message's row order."""
         result = pending.result
         if result is None:
             pending.ready.synchronize()
@@ -174,6 +216,21 @@ class Worker:
                 req_ids=pending.req_ids,
                 sampled=ids_to_bytes(pending.sampled_host.tolist()),
             )
+        sampled = None
+        if pending.row_order is not None:
+            got = dict(zip(result.req_ids, bytes_to_ids(result.sampled), strict=True))
+            sampled = [got.get(r, FAILED_ROW) for r in pending.row_order]
+            result.req_ids = pending.row_order
+            result.sampled = ids_to_bytes(sampled)
+        # A byte search first: ids are < 2**24, so only an aligned FAILED_ROW can match it.
+        if pending.errors or FAILED_ROW.to_bytes(4, "little", signed=True) in result.sampled:
+            sampled = sampled or bytes_to_ids(result.sampled)
+            errors = {
+                r: pending.errors.get(r, NONFINITE_LOGITS)
+                for r, t in zip(result.req_ids, sampled, strict=True)
+                if t == FAILED_ROW
+            }
+            result.errors = errors
         result.execute_ns = time.perf_counter_ns() - pending.t0
         return result
 
@@ -216,10 +273,12 @@ class Worker:
         graphs.replay(slots, positions)
         if self.profile:
             t_forward = self._phase_mark()
-        if all(states.sampling[s].temperature == 0.0 for s in slots):
-            sampled = graphs.sampled[:b]
+        errors: dict[str, str] = {}
+        if all(is_greedy(states.sampling[s]) for s in slots):
+            sampled = graphs.sampled[:b]  # FAILED_ROW where a row's logits were not finite
         else:  # sample on the host side from the graph's logits; overwrite the appended argmax
-            sampled = self._sample_rows(slots, graphs.logits[:b])
+            sampled, failures = self._sample_rows(slots, graphs.logits[:b], graphs.sampled[:b])
+            errors = {rows[i]: why for i, why in failures.items()}
             self._append_history(slots, positions + 1, sampled)
         host, ready = graphs.copy_sampled(sampled)
         states.num_tokens[slots] += 1
@@ -227,7 +286,7 @@ class Worker:
         if self.profile:
             t_sampled = self._phase_mark()
             self.last_phases = (t_prepared - t0, t_forward - t_prepared, t_sampled - t_forward)
-        return PendingStep(t0, None, step_id, rows, host, ready)
+        return PendingStep(t0, None, step_id, rows, host, ready, errors)
 
     def _phase_mark(self) -> int:
         """Profile mode's clock: waits for the device's queued work first, so it is charged to the phase
@@ -236,12 +295,14 @@ class Worker:
             torch.cuda.synchronize(self.device)
         return time.perf_counter_ns()
 
-    def _sample(self, batch: InputBatch, logits: torch.Tensor) -> np.ndarray:
-        """Samples every row, keeps the rows whose chunk reached the end of the history, appends them."""
+    def _sample(self, batch: InputBatch, logits: torch.Tensor) -> tuple[np.ndarray, dict[str, str]]:
+        """Samples every row, keeps the rows whose chunk reached the end of the history, appends them.
+        Returns the ids (-1 for rows not kept) and why each kept row that failed did."""
         states = self.states
         slots = batch.idx_mapping_np
-        sampled = self._sample_rows(slots, logits)
+        sampled, failures = self._sample_rows(slots, logits)
         keep = batch.should_sample_np
+        errors = {batch.req_ids[i]: why for i, why in failures.items() if keep[i]}
         if keep.any():
             keep_rows = np.nonzero(keep)[0]
             kslots = slots[keep_rows]
@@ -251,20 +312,25 @@ class Worker:
             self._append_history(kslots, kpos, sampled[torch.from_numpy(keep_rows).to(self.device)])
             states.num_tokens[kslots] += 1
         host = sampled.cpu().numpy()
-        return np.where(keep, host, -1)
+        return np.where(keep, host, -1), errors
 
-    def _sample_rows(self, slots: np.ndarray, logits: torch.Tensor) -> torch.Tensor:  # int64 [B], device
-        """One id per row from logits fp32 [B, V], with each row's request's sampling parameters."""
+    def _sample_rows(
+        self, slots: np.ndarray, logits: torch.Tensor, greedy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[int, str]]:
+        """One id per row (int64 [B], on the device) from logits fp32 [B, V], with each row's request's
+        sampling parameters; FAILED_ROW for a row that failed, and {row: why} for those with a reason."""
         states = self.states
         params = [states.sampling[s] for s in slots]
         out_pos = (states.num_tokens[slots] - states.num_prompt_tokens[slots]).tolist()
-        return self.sampler(logits, params, out_pos)
+        return self.sampler(logits, params, out_pos, greedy)
 
     def _append_history(self, slots: np.ndarray, positions: np.ndarray, ids: torch.Tensor) -> None:
-        """Writes ids (int [N], on the device) into the token history at (slots, positions), no sync."""
+        """Writes ids (int [N], on the device) into the token history at (slots, positions), no sync.
+        A failed row's FAILED_ROW is stored as 0: a step planned on top of this one (async scheduling)
+        may still read it as an input id before the scheduler ends that request."""
         dev = self.device
         self.states.all_token_ids[torch.from_numpy(slots).to(dev), torch.from_numpy(positions).to(dev)] = (
-            ids.to(torch.int32)
+            ids.clamp(min=0).to(torch.int32)
         )
 
     def _record_logits(self, batch: InputBatch, hidden: torch.Tensor) -> None:
@@ -274,6 +340,14 @@ class Worker:
             self.logit_recorder(
                 req_id, int(batch.chunk_start_np[b]), all_logits[qsl[b] : qsl[b + 1]].float().cpu()
             )
+
+    def reset(self) -> int:
+        """Drops every request (their device state is stale after a lost step); returns how many."""
+        ids = list(self.states.slot_of)
+        for req_id in ids:
+            self.states.remove(req_id)
+        self._refused.clear()
+        return len(ids)
 
     # -- health ---------------------------------------------------------------------------------------
 

@@ -136,6 +136,41 @@ def test_out_is_filled_in_place(on_device):
     assert (out[5:] == -7).all()  # rows past input_ids are not touched
 
 
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_out_of_range_ids_are_blocks_on_every_path(on_device, ids_dtype):
+    """Ids outside [0, vocab), in the chunk or the lookback, are blocks on every path, with no read past
+    `compress`: the kernel gets compress as the head of a longer buffer whose tail holds other compressed
+    ids, so a load past vocab would change the hash instead of going unnoticed."""
+    vocab = 300
+    params = Params(layer_id=4, order=4, heads=3, vocab=vocab, compressed=17, seed=6)
+    bad = [-1, vocab, vocab + 1000, 2**31 - 1]
+    input_ids = torch.tensor(
+        [5, -1, 7, 8, vocab, 9, 10, 11, vocab + 1000, 12, 2**31 - 1, 13, 299, 0, 14, 15], dtype=ids_dtype
+    )
+    qsl = torch.tensor([0, 4, 9, 13, 15], dtype=torch.int32)  # one padded token past qsl[B]
+    lookback = torch.tensor(
+        [[vocab, 3, 4], [20, 2**31 - 1, 21], [22, 23, 24], [-7, 25, 26]], dtype=torch.int32
+    )
+    assert set(bad) <= set(input_ids.tolist())
+
+    tail = torch.randint(0, 17, (vocab + 2000,), generator=torch.Generator().manual_seed(1))
+    buffer = on_device(torch.cat([params.compress, tail]))  # int64 [vocab + vocab + 2000]
+    tables = (buffer[:vocab], *params.tables(on_device)[1:])
+    got = engram_hash(on_device(input_ids), on_device(qsl), on_device(lookback), *tables, params.pad_id)
+    expected = _hash_ref(params, input_ids, qsl, lookback)
+    assert torch.equal(got.cpu(), expected)
+
+    want = []
+    for b in range(qsl.shape[0] - 1):
+        want += params.scalar(input_ids[qsl[b] : qsl[b + 1]].tolist(), lookback[b].tolist())
+    want += params.scalar([-1], [])  # the padded token
+    assert expected.tolist() == want
+    # Each out-of-range id hashes exactly as a -1 (a block) in its place would.
+    as_blocks = torch.where((input_ids < 0) | (input_ids >= vocab), -1, input_ids)
+    lookback_blocks = torch.where((lookback < 0) | (lookback >= vocab), -1, lookback)
+    assert torch.equal(expected, _hash_ref(params, as_blocks, qsl, lookback_blocks))
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_any_chunking_gives_the_cold_hash(on_device, seed):
     """Requests hashed chunk by chunk in mixed batches, with ids before each chunk from gather_lookback,

@@ -1,5 +1,6 @@
 """compute_slot_mappings and pad_replayed_slots (SPEC section 4) against their references and by hand."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,6 +11,7 @@ from raystate.kernels import (
     pad_replayed_slots,
     pad_replayed_slots_ref,
 )
+from raystate.kernels.slot_mapping import cacheable_group_indices
 
 
 def _batch(chunks: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,4 +231,145 @@ def test_no_host_sync():
     cpu = [t.cpu() for t in (block_tables, idx_mapping, qsl, positions, replay_start)]
     compute_slot_mappings_ref(*cpu[:4], 4, expected)
     pad_replayed_slots_ref(expected, torch.tensor([1], dtype=torch.int32), cpu[2], cpu[3], cpu[4], 8)
+    assert torch.equal(got.cpu(), expected)
+
+
+# -- the forms of cacheable_groups ---------------------------------------------------------------------------
+
+
+def _replay_batch():
+    """Four groups; rows 0 and 2 replay (P = 6), rows 1 and 3 do not; a padded tail of 5 columns."""
+    chunks = [(10, 7), (0, 4), (30, 9), (3, 3)]
+    qsl, positions = _batch(chunks)
+    replay_start = torch.tensor([8, 0, 33, 0], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(11)
+    slot_mappings = torch.randint(0, 10_000, (4, int(qsl[-1]) + 5), generator=gen, dtype=torch.int64)
+    return slot_mappings, qsl, positions, replay_start, 6
+
+
+# Each form names groups {0, 2} (or {1} for the single-entry ones, a lone tensor([1]) used to be read as
+# the truth value True and [0] as False, which skipped the launch), in any order and with repeats.
+_FORMS = {
+    "tuple": ((2, 0), [0, 2]),
+    "list": ([0, 2, 2], [0, 2]),
+    "numpy_ints": ([np.int64(2), np.int32(0)], [0, 2]),
+    "tuple_one": ((1,), [1]),
+    "empty_tuple": ((), []),
+    "int32_tensor": (torch.tensor([2, 0], dtype=torch.int32), [0, 2]),
+    "int64_tensor": (torch.tensor([0, 2, 0], dtype=torch.int64), [0, 2]),
+    "one_int_tensor_0": (torch.tensor([0], dtype=torch.int32), [0]),
+    "one_int_tensor_1": (torch.tensor([1], dtype=torch.int64), [1]),
+    "empty_int_tensor": (torch.zeros(0, dtype=torch.int32), []),
+    "bool_mask": (torch.tensor([True, False, True, False]), [0, 2]),
+    "bool_mask_one": (torch.tensor([False, True, False, False]), [1]),
+    "bool_mask_none": (torch.zeros(4, dtype=torch.bool), []),
+}
+
+
+def _copy_form(form, copy):
+    return copy(form) if isinstance(form, torch.Tensor) else form
+
+
+@pytest.mark.parametrize("name", list(_FORMS))
+def test_every_form_of_cacheable_groups_pads_the_same(on_device, name, monkeypatch):
+    """Host ints, index tensors and bool masks pad the same groups on the Triton path (tensors also on the
+    device), on the reference, and on the launcher's reference branch (RAYSTATE_KERNELS=reference)."""
+    form, groups = _FORMS[name]
+    slot_mappings, qsl, positions, replay_start, window = _replay_batch()
+    expected = slot_mappings.clone()
+    pad_replayed_slots_ref(
+        expected, torch.tensor(groups, dtype=torch.int32), qsl, positions, replay_start, window
+    )
+    if groups:
+        assert not torch.equal(expected, slot_mappings)  # the batch does pad something
+    args = (qsl, positions, replay_start)
+
+    got = on_device(slot_mappings)
+    pad_replayed_slots(got, _copy_form(form, on_device), *(on_device(a) for a in args), window)
+    assert torch.equal(got.cpu(), expected)
+
+    ref = slot_mappings.clone()
+    pad_replayed_slots_ref(ref, form, *args, window)
+    assert torch.equal(ref, expected)
+
+    monkeypatch.setenv("RAYSTATE_KERNELS", "reference")
+    forced = slot_mappings.clone()
+    pad_replayed_slots(forced, form, *args, window)
+    assert torch.equal(forced, expected)
+
+
+@pytest.mark.parametrize(
+    ("form", "error", "match"),
+    [
+        (None, TypeError, "got NoneType"),
+        (1, TypeError, "got int"),
+        ({0, 2}, TypeError, "got set"),
+        (np.array([0, 2]), TypeError, "got ndarray"),
+        ((True, False), TypeError, "got bool"),
+        ([0, 1.0], TypeError, "got float"),
+        (("0",), TypeError, "got str"),
+        ((torch.tensor(0),), TypeError, "got Tensor"),
+        (torch.tensor([0.0, 2.0]), TypeError, "torch.float32"),
+        ((0, 4), IndexError, "4 outside"),
+        ([-1], IndexError, "-1 outside"),
+        (torch.tensor([0, 9]), IndexError, "9 outside"),
+        (torch.tensor([True, False]), ValueError, "one entry per group"),
+        (torch.tensor([[0, 2]]), ValueError, "1-D"),
+    ],
+)
+def test_bad_cacheable_groups_are_rejected_on_every_path(on_device, form, error, match, monkeypatch):
+    """Any other type is a TypeError and an index outside [0, G) an IndexError, both naming the argument,
+    raised before anything is written (a negative index would wrap in the reference and write before the
+    buffer in the kernel)."""
+    slot_mappings, qsl, positions, replay_start, window = _replay_batch()
+    args = (qsl, positions, replay_start)
+    got = on_device(slot_mappings)
+    with pytest.raises(error, match=f"cacheable_groups.*{match}"):
+        pad_replayed_slots(got, _copy_form(form, on_device), *(on_device(a) for a in args), window)
+    assert torch.equal(got.cpu(), slot_mappings)
+    ref = slot_mappings.clone()
+    with pytest.raises(error, match=f"cacheable_groups.*{match}"):
+        pad_replayed_slots_ref(ref, form, *args, window)
+    monkeypatch.setenv("RAYSTATE_KERNELS", "reference")
+    with pytest.raises(error, match=f"cacheable_groups.*{match}"):
+        pad_replayed_slots(ref, form, *args, window)
+    assert torch.equal(ref, slot_mappings)
+
+
+def test_checked_tuples_are_cached_by_identity():
+    """A checked tuple is cached, but only for itself: an equal tuple of bools or floats is still refused,
+    and a tuple checked against G groups is checked again against fewer."""
+    groups = (1, 3)
+    assert cacheable_group_indices(groups, 4) == (1, 3)
+    assert cacheable_group_indices(groups, 4) == (1, 3)  # the cached answer
+    with pytest.raises(TypeError, match="cacheable_groups"):
+        cacheable_group_indices((True,), 4)  # == (1,), which may be cached
+    cacheable_group_indices((1,), 4)
+    with pytest.raises(TypeError, match="cacheable_groups"):
+        cacheable_group_indices((True,), 4)
+    with pytest.raises(IndexError, match="3 outside"):
+        cacheable_group_indices(groups, 3)
+
+
+@pytest.mark.gpu
+def test_every_form_through_the_compiled_kernel_and_fast_launch():
+    """On CUDA every form reaches the compiled kernel (the second launch of a signature through FastLaunch)
+    as the same constexpr groups; a host tuple needs no sync."""
+    slot_mappings, qsl, positions, replay_start, window = _replay_batch()
+    args = [t.cuda() for t in (qsl, positions, replay_start)]
+    for form, groups in _FORMS.values():
+        expected = slot_mappings.clone()
+        pad_replayed_slots_ref(expected, list(groups), qsl, positions, replay_start, window)
+        for _ in range(2):  # compile, then the direct relaunch
+            got = slot_mappings.cuda()
+            pad_replayed_slots(got, _copy_form(form, lambda t: t.cuda()), *args, window)
+            assert torch.equal(got.cpu(), expected)
+    got = slot_mappings.cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pad_replayed_slots(got, (2, 0), *args, window)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = slot_mappings.clone()
+    pad_replayed_slots_ref(expected, (0, 2), qsl, positions, replay_start, window)
     assert torch.equal(got.cpu(), expected)

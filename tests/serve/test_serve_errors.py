@@ -107,7 +107,8 @@ def test_body_over_the_limit_is_a_413(open_app):
         for _ in range(1 << 5):
             yield b" " * (1 << 16)
 
-    r = httpx.post(f"{open_app.url}/v1/completions", content=chunks(), timeout=60)
+    json_type = {"Content-Type": "application/json"}
+    r = httpx.post(f"{open_app.url}/v1/completions", content=chunks(), headers=json_type, timeout=60)
     _assert_openai_error(r, 413, None)
 
 
