@@ -2,10 +2,11 @@
 """One entry point for a fresh machine: `python3 dev.py run` and `python3 dev.py test`.
 
 `run` with no arguments starts the OpenAI-compatible server on the built-in tiny model (a local Ray on
-this machine's CPU); `run ARGS` runs `raystate ARGS`. Both create (or refresh) the local virtual
-environment `.venv` first, so the README's two commands are
-the whole set-up. On a machine without CUDA the CPU build of torch is installed (`torch==2.13.0`;
-a plain `torch` would pull a CUDA build of several GB).
+this machine's CPU); `run ARGS` runs `raystate ARGS`. `test` runs ruff, then the whole pytest suite;
+`test --fast` leaves out the tests marked `slow` (those that start a Ray cluster or a Serve app, or run
+a whole benchmark). Both create (or refresh) the local virtual environment `.venv` first, so the
+README's two commands are the whole set-up. On a machine without CUDA the CPU build of torch is
+installed (`torch==2.13.0`; a plain `torch` would pull a CUDA build of several GB).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def run(cmd: list[str], env: dict[str, str] | None = None) -> int:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("run", "test"):
-        print("usage: python3 dev.py run [raystate args...] | test [pytest args...]", file=sys.stderr)
+        usage = "usage: python3 dev.py run [raystate args...] | test [--fast] [pytest args...]"
+        print(usage, file=sys.stderr)
         return 2
     ensure_venv()
     bin_dir = VENV / "bin"
@@ -81,7 +83,10 @@ def main(argv: list[str]) -> int:
         rc = run(cmd, env)
         if rc:
             return rc
-    return run([str(PY), "-m", "pytest", "-q", *argv[1:]], env)
+    pytest_args = argv[1:]
+    if "--fast" in pytest_args:
+        pytest_args = [a for a in pytest_args if a != "--fast"] + ["-m", "not slow"]
+    return run([str(PY), "-m", "pytest", "-q", *pytest_args], env)
 
 
 if __name__ == "__main__":

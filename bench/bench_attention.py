@@ -6,12 +6,13 @@ TFLOP/s and the time ratio against torch's flash SDPA on the same (dense, unpage
 
     python bench/bench_attention.py [--dtype bf16] [--json out.json] [--sweep [--only REGEX]]
 
---sweep first times the kernel variants the launcher can be given (`AttentionLaunch`: tile rows, keys
-per step, warps, stages, pipelining hints and the K-row / split-mask / folded-scale / heavy-first
-flags) on causal prefill S = 4k, 8k, 16k and 4 x 4k, and on decode B = 64 at 4k context, and prints a
-table of time and ratio per variant (plus each variant's largest difference from the default launch's
-output, a guard against a fast but wrong variant). It chooses nothing: PREFILL_LAUNCH / DECODE_LAUNCH in
-kernels/attention.py are set by hand from the table. The whole run takes about two minutes on an H200.
+--sweep first times the tiles the launcher can be given (`AttentionLaunch`: score rows, keys per step,
+warps, stages) in each layout: the tile layout on causal prefill S = 4k, 8k, 16k and 4 x 4k, the row
+layout on decode B = 64 at 4k context, and prints a table of time and ratio per tile (plus each one's
+largest difference from the default launch's output, a guard against a fast but wrong variant). It
+chooses nothing: the defaults in kernels/attention_launch.py are set by hand from the table. The inner
+loop of each layout is fixed in the kernel (see BENCHMARKS.md for the sweep that fixed it). The whole run
+takes about two minutes on an H200.
 """
 
 from __future__ import annotations
@@ -30,12 +31,11 @@ import triton.testing
 from bench_decode import copy_bandwidth, graph_time_us
 
 from raystate.kernels import attention, cdiv, paged_attention
-from raystate.kernels.attention import AttentionLaunch
+from raystate.kernels.attention_launch import AttentionLaunch, launch_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PREFILL_SWEEP = ((1, 4096), (1, 8192), (1, 16384), (4, 4096))  # (rows, tokens per row), causal
 DECODE_SWEEP = (64, 4096)  # (rows, context)
-ALL_FLAGS = {"k_rows": True, "split_mask": True, "fold_scale": True, "heavy_first": True}
 
 
 def paged_problem(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
@@ -86,9 +86,8 @@ class Problem:
 
     def compile(self, launch: AttentionLaunch | None = None) -> None:
         """Compiles the kernel this call would launch, launching nothing."""
-        attention._paged_attention_triton(
-            *self.inputs, self.scale, self.window, None, self.out, self.q_len, launch, compile_only=True
-        )
+        args = (*self.inputs, self.scale, self.window, None, self.out)
+        attention._paged_attention_triton(args, self.q_len, launch, compile_only=True)
 
     def time_ms(self, launch: AttentionLaunch | None = None) -> float:
         return triton.testing.do_bench(lambda: self.run(launch), warmup=25, rep=100)
@@ -145,14 +144,12 @@ def bench_prefill(batch, seq, window, args) -> dict:
 
 
 def decode_layouts(args, hbm) -> list[dict]:
-    """Decode on the bench model's heads (16 q / 4 kv of 128): the default launch (one program per row,
-    a window of W <= 128 in one key step) against the previous default (programs per query tile found by
-    binary search, 64-key steps from a 64-aligned start) and the two row-program tiles, each inside a CUDA
-    graph rotating over enough problem copies that every call reads its KV from HBM, not from L2."""
+    """Decode on the bench model's heads (16 q / 4 kv of 128): the default launch (the row layout, 128- or
+    64-key steps by the program-count and window rules) against each key step on its own, each inside a
+    CUDA graph rotating over enough problem copies that every call reads its KV from HBM, not from L2."""
     heads = argparse.Namespace(**{**vars(args), "q_heads": 16, "kv_heads": 4, "head_dim": 128})
     launches = {
         "default": None,
-        "previous default (search, N64)": AttentionLaunch(),
         "rows N64": AttentionLaunch(row_programs=True),
         "rows N128": AttentionLaunch(block_n=128, row_programs=True),
     }
@@ -181,64 +178,31 @@ def decode_layouts(args, hbm) -> list[dict]:
 
 
 def prefill_variants() -> list[AttentionLaunch]:
-    """Candidates for PREFILL_LAUNCH (26): today's tile alone and with each flag, then tile shapes with
-    every flag on, pipelining hints on a 128-row tile, and that tile with each flag left out."""
-    today = AttentionLaunch()
-    big = AttentionLaunch(block_m=128, block_n=64, num_warps=8, num_stages=3, **ALL_FLAGS)
-    variants = [today]
-    variants += [dataclasses.replace(today, **{flag: True}) for flag in ALL_FLAGS]
-    variants += [
-        AttentionLaunch(loop_stages=2),
-        AttentionLaunch(**ALL_FLAGS),
-        AttentionLaunch(loop_stages=2, **ALL_FLAGS),
-        dataclasses.replace(big, **{flag: False for flag in ALL_FLAGS}),  # the big tile alone
+    """Tile-layout candidates for PREFILL_LAUNCH (10): 64 or 128 score rows x 64 or 128 keys, on 4 warps
+    for 64 x 64 and 8 for the rest (64 x 128 and 128 x 64 on 4 warps spill registers: ptxas for sm_90,
+    Triton 3.6), 2 or 3 stages, and 4 for 64-key steps."""
+    return [
+        AttentionLaunch(block_m=m, block_n=n, num_warps=4 if m == n == 64 else 8, num_stages=s)
+        for m in (64, 128)
+        for n in (64, 128)
+        for s in ((2, 3, 4) if n == 64 else (2, 3))
     ]
-    # (block_m, block_n, num_warps, num_stages). Left out: 64 x 128 and 128 x 64 tiles on 4 warps, which
-    # spill registers (ptxas for sm_90 with every flag on, Triton 3.6).
-    tiles = [
-        (64, 64, 4, 3),
-        (64, 64, 4, 4),
-        (64, 128, 8, 2),
-        (64, 128, 8, 3),
-        (128, 64, 8, 2),
-        (128, 64, 8, 3),
-        (128, 64, 8, 4),
-        (128, 128, 8, 2),
-        (128, 128, 8, 3),
-    ]
-    variants += [
-        AttentionLaunch(block_m=m, block_n=n, num_warps=w, num_stages=s, **ALL_FLAGS) for m, n, w, s in tiles
-    ]
-    variants += [
-        dataclasses.replace(big, loop_stages=3),
-        dataclasses.replace(big, loop_stages=3, edge_stages=1),
-        dataclasses.replace(big, edge_stages=1),
-        dataclasses.replace(big, block_n=128, num_stages=2, loop_stages=2, edge_stages=1),
-    ]
-    variants += [dataclasses.replace(big, **{flag: False}) for flag in ALL_FLAGS]
-    return variants
 
 
 def decode_variants() -> list[AttentionLaunch]:
-    """Candidates for DECODE_LAUNCH (15; the tile shrinks to 16 score rows whatever block_m says)."""
-    today = AttentionLaunch()
-    decode_flags = {"k_rows": True, "split_mask": True, "fold_scale": True}  # decode tiles are all equal
-    variants = [today]
-    variants += [dataclasses.replace(today, **{flag: True}) for flag in decode_flags]
-    variants += [
-        AttentionLaunch(loop_stages=2),
-        AttentionLaunch(**decode_flags),
-        AttentionLaunch(loop_stages=2, **decode_flags),
+    """Row-layout candidates for DECODE_LAUNCH (8; the tile shrinks to 16 score rows whatever block_m
+    says): 32, 64 or 128 keys per step at 2 or 3 stages, 64 at 4 stages, and 64 on 2 warps."""
+    variants = [
+        AttentionLaunch(block_n=n, num_stages=s, row_programs=True) for n in (32, 64, 128) for s in (2, 3)
     ]
-    tiles = [(32, 4, 2), (32, 4, 3), (64, 4, 3), (64, 4, 4), (64, 2, 2), (128, 4, 2), (128, 4, 3)]
-    variants += [AttentionLaunch(block_n=n, num_warps=w, num_stages=s, **decode_flags) for n, w, s in tiles]
-    variants += [AttentionLaunch(block_n=64, num_stages=3, loop_stages=3, **decode_flags)]
+    variants.append(AttentionLaunch(block_n=64, num_stages=4, row_programs=True))
+    variants.append(AttentionLaunch(block_n=64, num_warps=2, row_programs=True))
     return variants
 
 
 def precompile(jobs: list[tuple[Problem, AttentionLaunch]]) -> None:
     """Compiles every variant up front on a thread pool (Triton's compiler and ptxas release the GIL),
-    so the sweep is not 40-odd serial compiles. Uses Triton's private AsyncCompileMode (in 3.6); where it is
+    so the sweep is not 18 serial compiles. Uses Triton's private AsyncCompileMode (in 3.6); where it is
     missing or a compile fails here, the sweep compiles that variant on first use and reports its error.
     """
     try:
@@ -290,7 +254,7 @@ def sweep(args, hbm) -> list[dict]:
     # Tags show each launch as resolved for its problem (decode shrinks M to the group, warps filled in).
     group = args.q_heads // args.kv_heads
     swept = [
-        (kind, launch, problem, attention._launch_config(group, problem.q_len, launch)[1].tag())
+        (kind, launch, problem, launch_config(group, problem.q_len, launch)[1].tag())
         for kind, variants, problem in (
             ("prefill", prefill_variants(), prefill[0]),
             ("decode", decode_variants(), decode),
@@ -331,7 +295,7 @@ def sweep(args, hbm) -> list[dict]:
 
 
 def format_sweep_row(row: dict, names: list[str]) -> str:
-    head = f"{row['variant']:<72}"
+    head = f"{row['variant']:<24}"
     if "error" in row:
         return f"{head} {row['error']}"
     if row["kind"] == "prefill":
@@ -361,7 +325,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--json", help="also write the rows to this file")
-    parser.add_argument("--sweep", action="store_true", help="time the kernel variants first")
+    parser.add_argument("--sweep", action="store_true", help="time the tiles of both layouts first")
     parser.add_argument("--only", help="sweep only variants whose 'prefill TAG' / 'decode TAG' matches")
     parser.add_argument(
         "--sweep-budget-s", type=float, default=150.0, help="start no sweep variant after this many seconds"

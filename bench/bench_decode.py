@@ -20,7 +20,6 @@ import torch
 import triton.testing
 
 from raystate import LLM, SamplingParams
-from raystate.kernels import attention
 
 
 def copy_bandwidth() -> float:
@@ -127,12 +126,10 @@ def run(
     return times, llm, [tokens[f"r{i}"] for i in range(batch)], prof
 
 
-# (label, CUDA graphs, async scheduling, attention decode layout): "previous" runs paged attention's
-# decode steps with the layout before the row-program one (binary search for the row, 64-key steps from a
-# 64-aligned start), side by side with today's.
+# (label, CUDA graphs, async scheduling, variant): "unguarded" replaces the graph's checked greedy step
+# with a plain argmax, to show the guard's cost side by side.
 CONFIGS = (
     ("graphs + async", True, True, "default"),
-    ("graphs + async, previous decode attention", True, True, "previous"),
     ("graphs + async, unguarded argmax", True, True, "unguarded"),
     ("graphs", True, False, "default"),
     ("eager", False, False, "default"),
@@ -157,7 +154,7 @@ def main() -> None:
     medians: dict[str, float] = {}
     floor = 0.0
     for label, graphs, async_scheduling, layout in CONFIGS:
-        with decode_attention_layout(layout):
+        with step_variant(layout):
             times, llm, toks, _ = run(graphs, async_scheduling, args.batch, args.context, args.steps)
         weights, kv = decode_floor_bytes(llm, args.batch, args.context)
         floor = (weights + kv) / bw
@@ -187,30 +184,20 @@ def main() -> None:
 
 
 @contextlib.contextmanager
-def decode_attention_layout(layout: str):
-    """ "previous": paged attention's default decode launches set to the earlier layout for the block;
-    "unguarded": the graph's greedy step without the non-finite-row guard (a plain argmax), for its cost."""
-    if layout == "default":
+def step_variant(variant: str):
+    """ "unguarded": the graph's greedy step without the non-finite-row guard (a plain argmax), for its
+    cost; "default": as shipped."""
+    if variant == "default":
         yield
         return
-    if layout == "unguarded":
-        from raystate.worker import cudagraph
+    from raystate.worker import cudagraph
 
-        saved_guard = cudagraph.greedy_checked
-        cudagraph.greedy_checked = lambda logits: torch.argmax(logits, dim=-1)
-        try:
-            yield
-        finally:
-            cudagraph.greedy_checked = saved_guard
-        return
-    saved = attention.DECODE_LAUNCH, attention.DECODE_SHORT_STEP_LAUNCH
-    attention.DECODE_LAUNCH = attention.DECODE_SHORT_STEP_LAUNCH = attention.AttentionLaunch()
-    attention._resolve_launch.cache_clear()
+    saved_guard = cudagraph.greedy_checked
+    cudagraph.greedy_checked = lambda logits: torch.argmax(logits, dim=-1)
     try:
         yield
     finally:
-        attention.DECODE_LAUNCH, attention.DECODE_SHORT_STEP_LAUNCH = saved
-        attention._resolve_launch.cache_clear()
+        cudagraph.greedy_checked = saved_guard
 
 
 def kernel_kind(name: str) -> str:

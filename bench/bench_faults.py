@@ -29,11 +29,11 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 
 import httpx
+from bench_serve import completion_choices, start_server
 
 CLUSTER = "raystate-faults"
 
@@ -75,18 +75,7 @@ async def stream(
             if r.status_code != 200:
                 s.error, s.done = f"HTTP {r.status_code}", True  # refused before it started: told at once
                 return s
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    s.done = True
-                    continue
-                event = json.loads(data)
-                if "error" in event:
-                    s.error = event["error"].get("message", "error event")
-                    continue
-                choice = event["choices"][0]
+            async for choice in completion_choices(r, s):
                 s.text += choice["text"]
                 s.token_times.append(time.monotonic())
                 s.finish_reason = choice["finish_reason"] or s.finish_reason
@@ -159,13 +148,7 @@ def main() -> None:
     from ray import serve
 
     from raystate import launch
-    from raystate.serve.app import build_app
 
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     app_args = {
         "model": "tiny",
         "cluster_name": CLUSTER,
@@ -173,8 +156,7 @@ def main() -> None:
         "swa_bounded_replay": False,  # recomputes are then bit-exact: the text must match
         "health_check_period_s": 1.0,
     }
-    serve.run(build_app(app_args), name="faults", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
+    url = start_server(app_args, "faults")
     rows = []
     try:
         asyncio.run(wait_healthy(url))

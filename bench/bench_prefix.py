@@ -9,11 +9,11 @@ Workload: R requests share one prefix; each adds `--new` prompt tokens of its ow
 tokens (greedy, ignore_eos). Modes, each on a fresh in-process engine with the same KV pool:
 
 - recompute: prefix caching off (`enable_prefix_caching=False`);
-- cache everything: every layer's KV is cached (`swa_bounded_replay=False`, SPEC 3.7);
+- cache everything: every layer's KV is cached (`swa_bounded_replay=False`, DESIGN 3.7);
 - bounded replay: only the full-attention layers' KV is cached, the last W tokens of a hit are recomputed
   for the sliding-window layers (the default), once per step for all the requests that hit the same
   prefix together (shared replay: the first rebuilds the window, the others borrow it);
-- bounded replay, unshared (`share_replay=False`): every request recomputes its own W tokens, as SPEC 3.3
+- bounded replay, unshared (`share_replay=False`): every request recomputes its own W tokens, as DESIGN 3.3
   reads literally. Shown for comparison; the goals are the default's.
 
 Per mode: one warm request (the prefix and a few tokens of its own) runs to completion, so the caching
@@ -109,7 +109,7 @@ def print_ceilings(c: dict) -> None:
 
 def cached_kv_bytes_per_token(model_cfg, block_size: int, mode: Mode, elt_bytes: int) -> int:
     """KV bytes per prefix token that the mode's cache keeps: k and v of every layer in a cacheable group."""
-    from raystate.config import kv_cache_group_specs
+    from raystate.kv_layout import kv_cache_group_specs
 
     if not mode.enable_prefix_caching:
         return 0
@@ -121,8 +121,8 @@ def cached_kv_bytes_per_token(model_cfg, block_size: int, mode: Mode, elt_bytes:
 
 def prefixes_that_fit(model_cfg, args, mode: Mode, budget_bytes: int, elt_bytes: int) -> int:
     """Cached prefixes of args.prefix tokens that the mode's pools hold when `budget_bytes` of KV are split
-    across the groups as the engine splits them (`raystate.config.plan_group_blocks`)."""
-    from raystate.config import kv_cache_group_specs, plan_group_blocks
+    across the groups as the engine splits them (`raystate.kv_layout.plan_group_blocks`)."""
+    from raystate.kv_layout import kv_cache_group_specs, plan_group_blocks
 
     if not mode.enable_prefix_caching:
         return 0
@@ -180,7 +180,8 @@ def run_mode(mode: Mode, args, rounds: list[tuple[list[int], list[list[int]], li
     import torch
 
     from raystate import LLM
-    from raystate.config import ModelConfig, kv_block_bytes, kv_cache_group_specs
+    from raystate.config import ModelConfig
+    from raystate.kv_layout import kv_block_bytes, kv_cache_group_specs
 
     max_len = args.prefix + args.new + args.gen + 16
     per_req = -(-max_len // args.block_size) + 1
@@ -255,11 +256,17 @@ def plot(path: str, results: list[ModeResult], args) -> None:
     print(f"plot written to {path}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small sizes")
+def engine_bench_parser(doc: str, smoke_help: str) -> argparse.ArgumentParser:
+    """The flags the engine benchmarks (this one, bench_throughput) share: --smoke, --model, --device."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help=smoke_help)
     ap.add_argument("--model", default="bench")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    return ap
+
+
+def main() -> None:
+    ap = engine_bench_parser(__doc__, "tiny model on the CPU, small sizes")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prefix", type=int, default=8192, help="shared prefix tokens")
     ap.add_argument("--new", type=int, default=128, help="prompt tokens of each request's own")
@@ -277,6 +284,9 @@ def main() -> None:
         args.max_batched_tokens, args.pool_gib = 256, 1.0
     if args.device == "cpu":
         os.environ.setdefault("RAYSTATE_KERNELS", "reference")
+        from raystate.kernels._common import refresh_reference_switch
+
+        refresh_reference_switch()  # the kernels read the switch once, and may be imported already
 
     c = ceilings(args.device)
     print_ceilings(c)

@@ -2,7 +2,7 @@
 
 No worker: a stand-in answers every step with fixed token ids, built outside the timed region, so the
 figures are the scheduler's own (schedule + update). Goals: a decode step under 200 us, the 64 admissions
-(SPEC 3 lookup, replay plan, block allocation, NewRequest building) under 2 ms.
+(DESIGN 3 lookup, replay plan, block allocation, NewRequest building) under 2 ms.
 
     python bench/bench_scheduler.py [--steps 2000] [--trials 20]
 """
@@ -14,7 +14,7 @@ import gc
 import statistics
 import time
 
-from raystate.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from raystate.engine_args import EngineArgs, build_engine_config
 from raystate.messages import SamplingParams, StepMessage, StepResult, ids_to_bytes
 from raystate.scheduler import Scheduler
 
@@ -42,10 +42,14 @@ def percentile(xs: list[float], q: float) -> float:
 
 def bench_decode(num_reqs: int, steps: int) -> None:
     max_len = 64 + steps + 256
-    config = EngineConfig(
-        model=ModelConfig(max_model_len=max_len),
-        cache=CacheConfig(block_size=16, num_blocks=num_reqs * -(-max_len // 16) + 1),
-        scheduler=SchedulerConfig(max_num_seqs=num_reqs, max_num_batched_tokens=8192),
+    config = build_engine_config(
+        EngineArgs(
+            max_model_len=max_len,
+            block_size=16,
+            num_blocks=num_reqs * -(-max_len // 16) + 1,
+            max_num_seqs=num_reqs,
+            max_num_batched_tokens=8192,
+        )
     )
     sched = Scheduler(config)
     for i in range(num_reqs):
@@ -71,13 +75,14 @@ def bench_decode(num_reqs: int, steps: int) -> None:
 
 
 def bench_admission(num_prompts: int, prompt_len: int, shared_len: int, trials: int) -> None:
-    model = ModelConfig(max_model_len=prompt_len + 64)
-    config = EngineConfig(
-        model=model,
-        cache=CacheConfig(block_size=16, num_blocks=(num_prompts + 1) * (prompt_len + 64) // 16 + 1),
-        scheduler=SchedulerConfig(
-            max_num_seqs=num_prompts + 1, max_num_batched_tokens=num_prompts * prompt_len
-        ),
+    config = build_engine_config(
+        EngineArgs(
+            max_model_len=prompt_len + 64,
+            block_size=16,
+            num_blocks=(num_prompts + 1) * (prompt_len + 64) // 16 + 1,
+            max_num_seqs=num_prompts + 1,
+            max_num_batched_tokens=num_prompts * prompt_len,
+        )
     )
     shared = [(j * 31 + 5) % 256 for j in range(shared_len)]
     prompts = [

@@ -24,10 +24,13 @@ import json
 import socket
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
 from tqdm import tqdm
+
+from raystate.engine_args import BACKENDS
 
 
 @dataclass
@@ -56,6 +59,23 @@ def make_prompt(client: int, seq: int, length: int) -> str:
     return (head + "tell me about sliding windows " * (1 + length // 30))[:length]
 
 
+async def completion_choices(response: httpx.Response, record) -> AsyncIterator[dict]:
+    """The choice of each event of a streamed completion; sets `record.done` at `data: [DONE]` and
+    `record.error` at an error event (bench_faults' streams use it too)."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[6:]
+        if data == "[DONE]":
+            record.done = True
+            continue
+        event = json.loads(data)
+        if "error" in event:
+            record.error = event["error"].get("message", "error event")
+            continue
+        yield event["choices"][0]
+
+
 async def stream_one(
     http: httpx.AsyncClient, url: str, headers: dict, prompt: str, max_tokens: int
 ) -> RequestRecord:
@@ -73,19 +93,9 @@ async def stream_one(
             if r.status_code != 200:
                 rec.error = f"HTTP {r.status_code}"
                 return rec
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    rec.done = True
-                    continue
-                event = json.loads(data)
-                if "error" in event:
-                    rec.error = event["error"].get("message", "error event")
-                    continue
+            async for choice in completion_choices(r, rec):
                 rec.token_times.append(time.perf_counter())
-                rec.finish_reason = event["choices"][0]["finish_reason"] or rec.finish_reason
+                rec.finish_reason = choice["finish_reason"] or rec.finish_reason
     except (httpx.HTTPError, ValueError) as e:
         rec.error = f"{type(e).__name__}: {e}"
     return rec
@@ -161,7 +171,7 @@ def baseline(prompts: list[str], max_tokens: int, args: argparse.Namespace) -> d
     """The same prompts through plain LLM.generate on the same backend, without Serve or HTTP."""
     from raystate import LLM, SamplingParams
 
-    backend = "ray" if args.backend == "ray" else "inprocess"
+    backend = args.backend
     llm = LLM(
         model=args.model,
         max_num_seqs=args.max_num_seqs,
@@ -190,7 +200,9 @@ def baseline(prompts: list[str], max_tokens: int, args: argparse.Namespace) -> d
     }
 
 
-def start_server(args: argparse.Namespace) -> str:
+def start_server(app_args: dict, name: str) -> str:
+    """A local Ray, Serve on a free loopback port, and the app of `app_args` (the Serve args) at its root,
+    named `name`; returns its URL (bench_faults starts its server this way too)."""
     import ray
     from ray import serve
 
@@ -201,14 +213,7 @@ def start_server(args: argparse.Namespace) -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app_args = {
-        "model": args.model,
-        "backend": args.backend,
-        "num_shards": args.num_shards,
-        "cluster_name": "raystate-bench",
-        "max_num_seqs": args.max_num_seqs,
-    }
-    serve.run(build_app(app_args), name="bench", route_prefix="/")
+    serve.run(build_app(app_args), name=name, route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
 
@@ -287,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=48, help="prompt bytes")
     p.add_argument("--model", default="tiny")
-    p.add_argument("--backend", choices=("ray", "local"), default="ray")
+    p.add_argument("--backend", choices=BACKENDS, default="ray")
     p.add_argument("--num-shards", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--url", help="benchmark a running server instead of starting one")
@@ -297,7 +302,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
 
-    url = args.url.rstrip("/") if args.url else start_server(args)
+    app_args = {
+        "model": args.model,
+        "backend": args.backend,
+        "num_shards": args.num_shards,
+        "cluster_name": "raystate-bench",
+        "max_num_seqs": args.max_num_seqs,
+    }
+    url = args.url.rstrip("/") if args.url else start_server(app_args, "bench")
     try:
         records, start = asyncio.run(
             run_load(url, args.api_key, args.clients, args.duration, args.max_tokens, args.prompt_len)

@@ -25,7 +25,6 @@ down to the interpreter.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -33,7 +32,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from bench_prefix import ceilings, print_ceilings
+from bench_prefix import ceilings, engine_bench_parser, print_ceilings
 
 OTHER = "other"  # step time outside the six phases: loop and call overhead
 
@@ -202,10 +201,7 @@ def plot(path: str, parts: dict[str, dict], runs: list[dict], args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, ~16 short requests")
-    ap.add_argument("--model", default="bench")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap = engine_bench_parser(__doc__, "tiny model on the CPU, ~16 short requests")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-min", type=int, default=128)
     ap.add_argument("--prompt-max", type=int, default=4096)
@@ -227,6 +223,9 @@ def main() -> None:
         args.families, args.prefix, args.max_batched_tokens = 2, 64, 256
     if args.device == "cpu":
         os.environ.setdefault("RAYSTATE_KERNELS", "reference")
+        from raystate.kernels._common import refresh_reference_switch
+
+        refresh_reference_switch()  # the kernels read the switch once, and may be imported already
 
     c = ceilings(args.device)
     print_ceilings(c)

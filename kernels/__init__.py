@@ -7,7 +7,6 @@ reference otherwise. Kernels import torch, triton and numpy only.
 from raystate.kernels._common import PAD_SLOT_ID, cdiv, next_pow2, use_triton
 from raystate.kernels.attention import paged_attention, paged_attention_ref
 from raystate.kernels.engram_hash import engram_hash, engram_hash_ref, engram_hash_scalar
-from raystate.kernels.kv_write import write_kv, write_kv_ref
 from raystate.kernels.lookback import gather_lookback, gather_lookback_ref
 from raystate.kernels.slot_mapping import (
     compute_slot_mappings,
@@ -15,12 +14,9 @@ from raystate.kernels.slot_mapping import (
     pad_replayed_slots,
     pad_replayed_slots_ref,
 )
-from raystate.kernels.staged_write import apply_staged_writes, apply_staged_writes_ref
 
 __all__ = [
     "PAD_SLOT_ID",
-    "apply_staged_writes",
-    "apply_staged_writes_ref",
     "cdiv",
     "compute_slot_mappings",
     "compute_slot_mappings_ref",
@@ -35,6 +31,4 @@ __all__ = [
     "pad_replayed_slots",
     "pad_replayed_slots_ref",
     "use_triton",
-    "write_kv",
-    "write_kv_ref",
 ]

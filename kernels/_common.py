@@ -15,18 +15,20 @@ PAD_SLOT_ID = -1
 # are imported right after this one; reading TRITON_INTERPRET once here keeps our choice in step with it.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# RAYSTATE_KERNELS is read on every launch (tests flip it with monkeypatch.setenv between launches), so it
-# must stay live, but `os.environ.get` costs about a microsecond when the variable is unset (it encodes
-# the key and raises KeyError inside Mapping.get): as much as a small kernel's whole launch. os.environ
-# keeps its encoded contents in `_data`, updated by every `os.environ[...] = ...` and `del`, which is how
-# monkeypatch and os.environ.update change it; a dict lookup there is ~50 ns. Where that CPython detail
-# is missing, the public path is taken.
+# RAYSTATE_KERNELS=reference forces the PyTorch references everywhere (a debugging switch). Launchers ask
+# on every launch, and os.environ.get costs about a microsecond (0.6 us set, 1.3 us unset), as much as a
+# small kernel's whole launch; so the switch is read once, here, when the kernels are imported. A process
+# that sets the variable later calls refresh_reference_switch() (the benches do), and a test sets
+# `_reference_forced` itself (monkeypatch.setattr, which also puts it back).
 _KERNELS_VAR = "RAYSTATE_KERNELS"
-try:
-    _KERNELS_KEY = os.environ.encodekey(_KERNELS_VAR)  # type: ignore[attr-defined]
-    _REFERENCE_VALUE = os.environ.encodevalue("reference")  # type: ignore[attr-defined]
-except AttributeError:  # not CPython's os._Environ
-    _KERNELS_KEY = _REFERENCE_VALUE = None
+_reference_forced = os.environ.get(_KERNELS_VAR) == "reference"
+
+
+def refresh_reference_switch() -> bool:
+    """Reads RAYSTATE_KERNELS from os.environ again; returns whether it forces the references."""
+    global _reference_forced
+    _reference_forced = os.environ.get(_KERNELS_VAR) == "reference"
+    return _reference_forced
 
 
 def cdiv(a: int, b: int) -> int:
@@ -43,18 +45,15 @@ def interpreting() -> bool:
 
 
 def reference_forced() -> bool:
-    """True while RAYSTATE_KERNELS=reference is set in os.environ (read live, cheaply)."""
-    try:
-        return os.environ._data.get(_KERNELS_KEY) == _REFERENCE_VALUE  # type: ignore[attr-defined]
-    except AttributeError:  # os.environ replaced by a plain mapping, or not CPython
-        return os.environ.get(_KERNELS_VAR) == "reference"
+    """True when RAYSTATE_KERNELS=reference was set at import (or at the last refresh_reference_switch)."""
+    return _reference_forced
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Run the Triton kernel on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1; else the reference.
 
     RAYSTATE_KERNELS=reference forces the PyTorch references everywhere (a debugging switch). Called on
-    every launch, so it does no more than one dict lookup and an `is_cuda` per tensor.
+    every launch, so it does no more than read the cached switch and an `is_cuda` per tensor.
     """
     if reference_forced():
         return False

@@ -1,4 +1,4 @@
-"""Engram n-gram hash over a mixed batch (SPEC sections 1 and 2).
+"""Engram n-gram hash over a mixed batch (DESIGN sections 1 and 2).
 
 For token t at chunk offset j of row b, the compressed id at distance s (s = 0..N-1) is
   v_s = compress[input_ids[t - s]]          if s <= j   (inside the chunk)
@@ -44,7 +44,7 @@ def engram_hash_scalar(
 ) -> list[list[int]]:
     """Plain-Python hash of one chunk `ids` whose preceding ids (newest first) are `lookback`.
 
-    The test oracle: it follows the SPEC text literally, one token at a time. An id outside
+    The test oracle: it follows the DESIGN section 2 literally, one token at a time. An id outside
     [0, len(compress)) is a block, like a position below 0 (see the module docstring).
     """
     n = len(multipliers)

@@ -1,4 +1,4 @@
-"""Engram lookback gather (SPEC section 1).
+"""Engram lookback gather (DESIGN section 1).
 
 For batch row b < num_reqs with state slot s = idx_mapping[b] and chunk start c = num_computed_tokens[s]:
 lookback[b, k] = all_token_ids[s, c - 1 - k] for k = 0..D-1 (newest first), -1 where c - 1 - k < 0.

@@ -1,9 +1,10 @@
 """Rotary embedding of q and k straight from the fused qkv projection, and the paged KV store, in one launch.
 
 Per token: rotate each query head (written to a contiguous q), rotate each key head and store it with the
-value at the token's slot in the paged caches (negative slot: no store, as in `write_kv`). The cos/sin of
-each position come from a table built once by the model with the same fp32 formula as
-`raystate.model.layers.apply_rotary`, so kernel and reference rotate by bitwise the same angles.
+value at the token's slot in the paged caches (negative slot: no store, which keeps prefix-cached KV
+bit-for-bit unchanged during SWA bounded replay). The cos/sin of each position come from a table built
+once by the model with the same fp32 formula as `raystate.model.layers.apply_rotary`, so kernel and
+reference rotate by bitwise the same angles.
 Replaces about twenty torch launches per layer (split, angles, cos, sin, two rotations, cat, casts, store).
 """
 
@@ -14,7 +15,6 @@ import triton
 import triton.language as tl
 
 from raystate.kernels._common import next_pow2, use_triton
-from raystate.kernels.kv_write import write_kv_ref
 
 
 def _rotate_ref(
@@ -27,6 +27,23 @@ def _rotate_ref(
     x1, x2 = x32[..., :half], x32[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def write_kv_ref(
+    key: torch.Tensor,  # [T, H_kv, D]
+    value: torch.Tensor,  # [T, H_kv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    slot_mapping: torch.Tensor,  # int64 [>= T]
+) -> None:
+    """The paged KV store: token t's key and value go to slot slot_mapping[t]; negative slots are skipped."""
+    num_tokens = key.shape[0]
+    slots = slot_mapping[:num_tokens].long()
+    keep = slots >= 0
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k[slots[keep]] = key[keep].to(k_cache.dtype)
+    flat_v[slots[keep]] = value[keep].to(v_cache.dtype)
 
 
 def rope_write_kv_ref(

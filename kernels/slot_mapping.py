@@ -1,4 +1,4 @@
-"""Slot mappings from block tables, and padding of replayed slots (SPEC section 4).
+"""Slot mappings from block tables, and padding of replayed slots (DESIGN section 4).
 
 Token i of batch row b at position p writes its KV, in group g, to slot
 block_tables[g, idx_mapping[b], p // block_size] * block_size + p % block_size; tokens past qsl[B] up to

@@ -2,7 +2,8 @@
 
 raystate serve [--host 127.0.0.1] [--port 8000] [--model tiny] [--num-shards 1] [--api-key KEY]
                [--allowed-host HOST] [--cors-origin ORIGIN] [--header-timeout-s 5] [--body-timeout-s 10]
-               [--shutdown-grace-s 30]
+               [--shutdown-grace-s 30] [--backend ray|inprocess] [engine flags: --device cuda
+               --max-num-seqs 64 --block-size 16 ... (every EngineArgs field; serve --help lists them)]
 raystate generate [--prompt TEXT ...]
 raystate status [--url http://127.0.0.1:8000]
 raystate bench [--suite serve] [script options]
@@ -11,6 +12,7 @@ raystate bench [--suite serve] [script options]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -18,6 +20,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from raystate.engine_args import BACKENDS, EngineArgs, knobs
 
 DEFAULT_PROMPTS = [
     "The sliding window keeps",
@@ -165,6 +169,40 @@ def _words(values: list[str] | None) -> list[str]:
     return [w.strip() for v in values or [] for w in v.split(",") if w.strip()]
 
 
+# EngineArgs fields with a CLI spelling of their own: kv_cache_bytes is given in GiB.
+_ENGINE_FLAGS_SPELT_OTHERWISE = ("kv_cache_bytes",)
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineArgs` field (`--max-num-seqs`, `--no-enable-prefix-caching`, ...): the knobs
+    and defaults of `LLM(...)` and of the Serve app's args, generated so that they cannot drift."""
+    group = parser.add_argument_group("engine", "the model and its engine (the knobs of LLM(...))")
+    for knob in knobs():
+        if knob.name in _ENGINE_FLAGS_SPELT_OTHERWISE:
+            continue
+        flag = "--" + knob.name.replace("_", "-")
+        if knob.value_type is bool:
+            shown = f" (default: {'on' if knob.default else 'off'})"
+            kind = dict(action=argparse.BooleanOptionalAction)
+        else:
+            shown = "" if knob.default is None else f" (default: {knob.default})"
+            kind = dict(type=knob.value_type)
+        group.add_argument(flag, default=knob.default, help=knob.help + shown, **kind)
+    group.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="KV cache per shard in GiB, split across the attention groups (default: sized from "
+        "max-num-seqs and the model's max length)",
+    )
+
+
+def _engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The EngineArgs of `_add_engine_flags`' flags."""
+    values = {k.name: getattr(args, k.name) for k in knobs() if k.name not in _ENGINE_FLAGS_SPELT_OTHERWISE}
+    kv_cache_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30)
+    return EngineArgs(**values, kv_cache_bytes=kv_cache_bytes)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from raystate.serve.app import API_KEY_ENV, AppArgs, build_app
 
@@ -175,13 +213,10 @@ def _serve(args: argparse.Namespace) -> int:
         # written into the application's stored arguments, and a replica without it refuses to start.
         os.environ[API_KEY_ENV] = api_key
     app_args = AppArgs(
-        model=args.model,
+        **dataclasses.asdict(_engine_args(args)),
         backend=args.backend,
         cluster_name=args.name,
         num_shards=args.num_shards,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30),
         api_key=None if local else api_key,
         require_api_key=api_key is not None,
         body_timeout_s=args.body_timeout_s,
@@ -316,21 +351,18 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the OpenAI API over Ray Serve (foreground; Ctrl-C stops)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--model", default="tiny", help="a named model (tiny, bench) or a model directory")
     s.add_argument("--num-shards", type=int, default=1, help="worker actors (one per GPU)")
     s.add_argument(
         "--api-key", help="require this bearer key on every route but /health (default: $RAYSTATE_API_KEY)"
     )
     s.add_argument("--address", help="a running Ray cluster (default: start a local one, stopped on exit)")
-    s.add_argument("--backend", choices=("ray", "local"), default="ray")
-    s.add_argument("--device", default="cpu", help="cpu or cuda")
-    s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument(
-        "--kv-cache-gib",
-        type=float,
-        help="KV cache per shard in GiB, split across the attention groups (default: sized from "
-        "max-num-seqs and the model's max length)",
+        "--backend",
+        choices=BACKENDS,
+        default="ray",
+        help="ray (worker actors) or inprocess (the engine inside the Serve replica)",
     )
+    _add_engine_flags(s)
     s.add_argument(
         "--allowed-host",
         action="append",
@@ -391,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
         "--backend",
-        choices=("inprocess", "ray"),
+        choices=BACKENDS,
         default="inprocess",
         help="inprocess (default: no Ray start-up for a one-off run) or ray (a local Ray deployment)",
     )

@@ -1,7 +1,7 @@
 """The asynchronous client API every front end uses (Ray Serve ingress, CLI, Python programs).
 
 `Client` is the contract: submit a request and iterate its `RequestUpdate`s as tokens arrive, abort,
-check health with a real one-token step, read status, shut down. `LocalClient` implements it over the
+check health with a real one-token step, read status, shut down. `InProcessClient` implements it over the
 in-process engine (a background thread runs the step loop); the Ray backend's `raystate.cluster`
 implements it over the scheduler actor. No torch here: the local engine is imported when started.
 """
@@ -58,7 +58,7 @@ class Client(abc.ABC):
     def config(self) -> EngineConfig: ...
 
 
-class LocalClient(Client):
+class InProcessClient(Client):
     """The in-process backend behind the async client API: one thread steps the engine."""
 
     def __init__(self, config: EngineConfig) -> None:

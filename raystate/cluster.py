@@ -16,15 +16,10 @@ cost per step is one call per client, not one per request. A scheduler that died
 poll errors at once) or stopped answering (`poll_wait_s + grace_s`, 16 s by default) fails every pending
 call with `EngineDead`: never a hang.
 
-Routing (done by the scheduler, `raystate.scheduler.router`). A new request goes to the shard with the
-highest `saved_tokens - load_penalty * load`: `saved_tokens` is the prefill work a prefix hit on that shard
-saves (the request's `num_computed` after admission there: whole cached blocks, minus the sliding-window
-replay when bounded replay is on, and 0 for a hit within the replay window), `load` the requests the shard
-holds (running + waiting) and `load_penalty` 128 tokens per request. Ties go to the lower load, then the
-lower shard index. So requests sharing a long cached prefix follow it to its shard, and with no hits the
-least-loaded shard wins, which spreads a flood of distinct prompts. A request stays on its shard (a
-preempted one is re-queued there) unless the shard is lost: then its requests are re-admitted on the
-restarted worker, or re-routed by the same rule when the shard is dropped.
+Routing is the scheduler's, by the one rule in `raystate.scheduler.router` (`route`): a new request goes
+to the shard where its cached prefix saves the most prefill, weighed against how many requests the shard
+holds, and stays there (a preempted one is re-queued there) unless the shard is lost: then its requests
+are re-admitted on the restarted worker, or re-routed by the same rule when the shard is dropped.
 """
 
 from __future__ import annotations

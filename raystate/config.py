@@ -1,7 +1,9 @@
 """Frozen configuration for the model, the KV cache, the scheduler and the engine.
 
 Plain dataclasses, validated once in `__post_init__` (errors name the field and the limit), no I/O and no
-torch, so the scheduler can import them. Derived values are properties, never written back.
+torch, so the scheduler can import them. Derived values are properties, never written back; the KV cache's
+groups and pool sizes come from `raystate.kv_layout`. Users build an `EngineConfig` from their knobs through
+`raystate.engine_args.build_engine_config`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from raystate.errors import InvalidRequest
+from raystate.kv_layout import KVCacheGroupSpec, group_num_blocks, kv_cache_group_specs, kv_element_bytes
 
 LayerType = Literal["sliding", "full"]
 
@@ -44,7 +47,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_model_len: int = 2048
-    # Engram n-gram memory (SPEC section 2).
+    # Engram n-gram memory (DESIGN section 2).
     engram_layer_ids: tuple[int, ...] = (1, 2)
     engram_max_ngram: int = 4
     engram_heads: int = 2
@@ -82,10 +85,6 @@ class ModelConfig:
     def token_lookback_depth(self) -> int:
         """D = N - 1: ids before a chunk start that the engram hash needs."""
         return self.engram_max_ngram - 1
-
-    @property
-    def has_sliding(self) -> bool:
-        return "sliding" in self.layer_types
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -126,68 +125,12 @@ NAMED_MODELS: dict[str, ModelConfig] = {
 
 
 @dataclass(frozen=True)
-class KVCacheGroupSpec:
-    """A set of layers sharing one KV layout and one block table (SPEC words: a group)."""
-
-    name: str
-    layer_ids: tuple[int, ...]
-    sliding_window: int  # 0 for full attention
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    prefix_cacheable: bool
-    prefix_replay_tokens: int
-
-    @property
-    def is_sliding(self) -> bool:
-        return self.sliding_window > 0
-
-
-def kv_cache_group_specs(
-    model: ModelConfig, block_size: int, swa_bounded_replay: bool = True
-) -> tuple[KVCacheGroupSpec, ...]:
-    """Full-attention layers form one group, sliding-window layers another (SPEC section 3).
-
-    With bounded replay on, the window group is not prefix-cacheable and declares W replay tokens; with
-    it off, it is cached like the full group ("cache everything").
-    """
-    groups = []
-    full = tuple(i for i, t in enumerate(model.layer_types) if t == "full")
-    sliding = tuple(i for i, t in enumerate(model.layer_types) if t == "sliding")
-    common = dict(block_size=block_size, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim)
-    if full:
-        groups.append(
-            KVCacheGroupSpec("full", full, 0, prefix_cacheable=True, prefix_replay_tokens=0, **common)
-        )
-    if sliding:
-        groups.append(
-            KVCacheGroupSpec(
-                "sliding",
-                sliding,
-                model.sliding_window,
-                prefix_cacheable=not swa_bounded_replay,
-                prefix_replay_tokens=model.sliding_window if swa_bounded_replay else 0,
-                **common,
-            )
-        )
-    return tuple(groups)
-
-
-def replay_tokens(groups: tuple[KVCacheGroupSpec, ...]) -> int:
-    """P: the one nonzero `prefix_replay_tokens` of the groups (they must agree), 0 when none sets one."""
-    values = {g.prefix_replay_tokens for g in groups if g.prefix_replay_tokens}
-    if len(values) > 1:
-        raise InvalidRequest("prefix_replay_tokens", "the same for every group that sets one", sorted(values))
-    return values.pop() if values else 0
-
-
-@dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # per group and shard, the same for every group
-    # Per shard: the KV cache's bytes, split across the groups by `plan_group_blocks` (window groups get
-    # their working set, the prefix-cacheable groups the rest). Neither set: sized from max_num_seqs and
-    # max_model_len, the same for every group.
+    # Per shard: the KV cache's bytes, split across the groups by `raystate.kv_layout.plan_group_blocks`
+    # (window groups get their working set, the prefix-cacheable groups the rest). Neither set: sized from
+    # max_num_seqs and max_model_len, the same for every group.
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     swa_bounded_replay: bool = True
@@ -270,79 +213,16 @@ class EngineConfig:
     @property
     def kv_element_bytes(self) -> int:
         """Bytes of one KV element: 2 for bf16/fp16 (what "auto" gives on CUDA), 4 for fp32."""
-        if self.dtype in ("bfloat16", "float16") or (self.dtype == "auto" and self.device != "cpu"):
-            return 2
-        return 4
+        return kv_element_bytes(self.dtype, self.device)
 
     @property
     def group_num_blocks(self) -> tuple[int, ...]:
         """Blocks per shard of each KV cache group, in `kv_groups` order (block 0 of each is null)."""
-        groups = self.kv_groups
-        if self.cache.num_blocks is not None:
-            return (self.cache.num_blocks,) * len(groups)
-        if self.cache.kv_cache_bytes is not None:
-            return plan_group_blocks(
-                groups,
-                self.cache.kv_cache_bytes,
-                self.kv_element_bytes,
-                self.cache.enable_prefix_caching,
-                self.scheduler.max_num_seqs,
-                self.scheduler.max_num_batched_tokens,
-            )
-        per_req = -(-self.max_model_len // self.cache.block_size)
-        return (1 + min(self.scheduler.max_num_seqs, 16) * per_req,) * len(groups)
+        return group_num_blocks(
+            self.kv_groups, self.cache, self.scheduler, self.max_model_len, self.kv_element_bytes
+        )
 
     @property
     def num_blocks(self) -> int:
         """Blocks per shard of the largest group (the prefix-cacheable one when pools differ)."""
         return max(self.group_num_blocks)
-
-
-def kv_block_bytes(group: KVCacheGroupSpec, element_bytes: int) -> int:
-    """Bytes of one block of a group: keys and values of every layer of the group."""
-    return 2 * len(group.layer_ids) * group.block_size * group.num_kv_heads * group.head_dim * element_bytes
-
-
-def plan_group_blocks(
-    groups: tuple[KVCacheGroupSpec, ...],
-    budget_bytes: int,
-    element_bytes: int,
-    enable_prefix_caching: bool,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-) -> tuple[int, ...]:
-    """Splits a KV byte budget into per-group block counts.
-
-    A window group that is not prefix-cached (sliding attention under bounded replay, or any sliding
-    group with caching off) only ever holds each running request's window plus its chunk: at most
-    max_num_seqs * (W / block_size + 2) blocks plus the step's tokens in blocks. It gets that and no more;
-    every other group gets the same number of blocks from the rest. So under bounded replay the budget
-    goes to the full-attention KV that the prefix cache keeps, and the same bytes hold W-window models'
-    cached prefixes several times over (4x for `bench`: 6 of its 24 layers are full attention). When the
-    window groups' need would leave the others fewer blocks than they get, all groups get an equal share.
-    """
-    per_block = [kv_block_bytes(g, element_bytes) for g in groups]
-    window = [
-        i for i, g in enumerate(groups) if g.is_sliding and not (enable_prefix_caching and g.prefix_cacheable)
-    ]
-    others = [i for i in range(len(groups)) if i not in window]
-    equal = budget_bytes // sum(per_block)
-    counts = [equal] * len(groups)
-    if window and others:
-        need = {
-            i: 1
-            + max_num_seqs * (-(-groups[i].sliding_window // groups[i].block_size) + 2)
-            + -(-max_num_batched_tokens // groups[i].block_size)
-            for i in window
-        }
-        rest = budget_bytes - sum(need[i] * per_block[i] for i in window)
-        shared = rest // sum(per_block[i] for i in others) if rest > 0 else 0
-        if shared > max(need.values()):
-            counts = [need.get(i, shared) for i in range(len(groups))]
-    if min(counts) < 2:
-        raise InvalidRequest(
-            "kv_cache_bytes",
-            f"at least {2 * sum(per_block)} (two blocks per group, one being the null block)",
-            budget_bytes,
-        )
-    return tuple(counts)

@@ -1,8 +1,10 @@
 """The in-process backend: the scheduler and one worker in one process.
 
-It is the debugging backend and the seam the Ray backend drops into: the scheduler plans `StepMessage`s,
-each is encoded once and decoded by the worker exactly as it would be across an actor boundary, and the
-worker's `StepResult` goes back to the scheduler the same way.
+It is the debugging backend and the seam the Ray backend drops into: the same step loop (`StepDriver`)
+drives it, over `LocalDispatch` instead of Ray, so each `StepMessage` is encoded once and decoded by the
+worker exactly as it would be across an actor boundary, and the worker's `StepResult` goes back to the
+scheduler the same way. With async scheduling the next decode step is launched before the one in flight
+is finished (driver.py says when).
 
 Profile mode (`engine.profile = True`) times every step by phase into `engine.step_times`, for the
 benchmarks' step-time breakdown; off (the default), a step pays one `if` for it.
@@ -14,9 +16,11 @@ import time
 from dataclasses import dataclass
 
 from raystate.config import EngineConfig
-from raystate.messages import SamplingParams, decode_result, decode_step, encode
+from raystate.messages import SamplingParams
 from raystate.scheduler import RequestUpdate, Scheduler
-from raystate.worker.worker import PendingStep, Worker
+from raystate.scheduler.dispatch import LocalDispatch
+from raystate.scheduler.driver import StepDriver
+from raystate.worker.worker import Worker
 
 # The phases of a profiled step, in the order they run; `StepTiming` has one field of seconds per phase.
 PHASES = ("schedule", "dispatch", "prepare", "forward", "sample", "update")
@@ -50,7 +54,8 @@ class InProcessEngine:
         self.scheduler = Scheduler(config, num_shards=1)
         self.worker = worker if worker is not None else Worker(config)
         self.step_times: list[StepTiming] = []  # one per step while `profile` is on
-        self._pending: list[tuple[int, PendingStep]] = []  # launched, not yet finished (async scheduling)
+        self._dispatch = LocalDispatch({0: self.worker})
+        self._driver = StepDriver(self.scheduler, self._dispatch, lookahead=config.async_scheduling)
 
     @property
     def profile(self) -> bool:
@@ -61,6 +66,8 @@ class InProcessEngine:
     @profile.setter
     def profile(self, on: bool) -> None:
         self.worker.profile = bool(on)
+        # A profiled step runs alone (nothing planned on top of it), so each StepTiming is one whole step.
+        self._driver.lookahead = self.config.async_scheduling and not on
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         self.scheduler.add_request(req_id, prompt_token_ids, sampling)
@@ -72,62 +79,32 @@ class InProcessEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestUpdate]:
-        """One scheduling round. With async scheduling the next decode step is planned and launched
+        """One pass of the step loop. With async scheduling the next decode step is planned and launched
         before the step in flight is finished, so the returned updates may be the previous step's (the
         host's scheduling, message and bookkeeping work overlaps the device's)."""
         if self.worker.profile:
-            return self._finish_pending() + self._profiled_step()
-        if not self.config.async_scheduling:
-            updates: list[RequestUpdate] = []
-            for shard, msg in self.scheduler.schedule().items():
-                result = decode_result(encode(self.worker.execute(decode_step(encode(msg)))))
-                updates.extend(self.scheduler.update(shard, result))
-            return updates
-        launched = [
-            (shard, self.worker.launch(decode_step(encode(msg))))
-            for shard, msg in self.scheduler.schedule(lookahead=True).items()
-        ]
-        updates = self._finish_pending()
-        self._pending = launched
-        return updates
-
-    def _finish_pending(self) -> list[RequestUpdate]:
-        updates: list[RequestUpdate] = []
-        pending, self._pending = self._pending, []
-        for shard, launched in pending:
-            result = decode_result(encode(self.worker.finish(launched)))
-            updates.extend(self.scheduler.update(shard, result))
-        return updates
+            return self._driver.drain() + self._profiled_step()
+        return self._driver.step().updates
 
     def _profiled_step(self) -> list[RequestUpdate]:
-        """`step` with a clock read between phases; the worker times its own three."""
+        """A step with nothing else in flight, its phases timed (the worker times its own three)."""
         clock = time.perf_counter_ns
         t_start = clock()
-        updates: list[RequestUpdate] = []
-        messages = self.scheduler.schedule()
-        t = clock()
+        worker_ns = self._dispatch.worker_ns
+        step = self._driver.step(timed=True)
         ns = dict.fromkeys(PHASES, 0)
-        ns["schedule"] = t - t_start
+        ns["schedule"] = step.ns.get("schedule", 0)
+        ns["update"] = step.ns.get("update", 0)
         rows = tokens = 0
-        for shard, msg in messages.items():
-            wire_msg = decode_step(encode(msg))
-            t1 = clock()
-            out = self.worker.execute(wire_msg)
-            t2 = clock()
-            result = decode_result(encode(out))
-            t3 = clock()
-            updates.extend(self.scheduler.update(shard, result))
-            t4 = clock()
-            prepare, forward, sample = self.worker.last_phases
-            ns["dispatch"] += (t1 - t) + (t3 - t2)
-            ns["prepare"] += prepare
-            ns["forward"] += forward
-            ns["sample"] += sample
-            ns["update"] += t4 - t3
-            rows += len(result.req_ids)
-            tokens += sum(r.num_scheduled for r in msg.new_requests)
-            tokens += sum(d.num_scheduled for d in msg.running)
-            t = clock()  # this bookkeeping is in `total` only
+        if step.messages:
+            # The wire: encoding and decoding the message and the result, without the worker's own time.
+            wire = step.ns.get("dispatch", 0) + step.ns.get("collect", 0)
+            ns["dispatch"] = wire - (self._dispatch.worker_ns - worker_ns)
+            ns["prepare"], ns["forward"], ns["sample"] = self.worker.last_phases
+            rows = sum(len(result.req_ids) for result in step.results.values())
+            for msg in step.messages.values():
+                tokens += sum(r.num_scheduled for r in msg.new_requests)
+                tokens += sum(d.num_scheduled for d in msg.running)
         self.step_times.append(
             StepTiming(
                 **{k: v * 1e-9 for k, v in ns.items()},
@@ -136,7 +113,7 @@ class InProcessEngine:
                 num_tokens=tokens,
             )
         )
-        return updates
+        return step.updates
 
     def shutdown(self) -> None:
-        self._finish_pending()
+        self._driver.drain()

@@ -13,10 +13,6 @@ class InvalidRequest(ValueError):
         super().__init__(f"{field}: must be {limit}, got {got!r}")
 
 
-class ShardLost(RuntimeError):
-    """A worker shard died; its requests are re-admitted elsewhere."""
-
-
 class EngineDead(RuntimeError):
     """The scheduler (or the in-process engine) is gone; pending calls fail with this instead of hanging."""
 

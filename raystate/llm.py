@@ -4,7 +4,8 @@
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
     llm.shutdown()
 
-Arguments mirror what a vLLM user expects; they are validated once here into a frozen `EngineConfig`.
+Arguments mirror what a vLLM user expects: the engine's knobs are `raystate.engine_args.EngineArgs`, validated
+once here into a frozen `EngineConfig` by the builder every front end shares.
 """
 
 from __future__ import annotations
@@ -12,13 +13,20 @@ from __future__ import annotations
 import itertools
 import queue
 from dataclasses import dataclass, field
+from typing import Any
 
 from tqdm import tqdm
 
-from raystate.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from raystate.engine_args import (
+    BACKENDS,
+    Backend,
+    EngineArgs,
+    build_engine_config,
+    load_tokenizer,
+    resolve_model,
+)
 from raystate.errors import InvalidRequest
 from raystate.messages import SamplingParams
-from raystate.tokenizer import ByteTokenizer
 
 
 @dataclass
@@ -38,79 +46,32 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-def resolve_model_config(model: str, max_model_len: int | None) -> tuple[ModelConfig, str | None]:
-    """A named config ("tiny", "bench") or a save_pretrained directory."""
-    import os
-
-    if os.path.isfile(os.path.join(model, "config.json")):
-        import json
-
-        with open(os.path.join(model, "config.json")) as f:
-            cfg = ModelConfig.from_dict(json.load(f))
-        path: str | None = model
-    else:
-        cfg = ModelConfig.named(model)
-        path = None
-    if max_model_len is not None:
-        cfg = ModelConfig.from_dict({**cfg.to_dict(), "max_model_len": max_model_len})
-    return cfg, path
-
-
 class LLM:
     def __init__(
         self,
         model: str = "tiny",
-        device: str = "cpu",
-        enable_prefix_caching: bool = True,
-        swa_bounded_replay: bool = True,
-        share_replay: bool = True,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        long_prefill_token_threshold: int = 0,
-        seed: int = 0,
-        max_model_len: int | None = None,
-        dtype: str = "auto",
-        cuda_graphs: bool = True,
-        async_scheduling: bool = True,
-        backend: str = "ray",
+        *,
+        backend: Backend = "ray",
         num_shards: int = 1,
         address: str | None = None,
         ray_options: dict | None = None,
+        **engine_args: Any,
     ) -> None:
         """`backend="ray"` (the default) starts a deployment: a scheduler actor and `num_shards` worker
         actors, on the Ray cluster at `address` (or a local one); `ray_options` are
         `raystate.launch.LaunchOptions` fields (dispatch, num_cpus_per_shard, ...). `backend="inprocess"`
-        runs the scheduler and one worker in this process, for debugging. `num_blocks` gives every KV
-        cache group that many blocks per shard; `kv_cache_bytes` instead splits a per-shard byte budget
-        (see `raystate.config.plan_group_blocks`). `share_replay`: requests admitted in one step with the
-        same replayed prefix hit rebuild its sliding window once (`raystate.scheduler.kv_manager`)."""
-        model_cfg, path = resolve_model_config(model, max_model_len)
-        self.config = EngineConfig(
-            model=model_cfg,
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_cache_bytes=kv_cache_bytes,
-                enable_prefix_caching=enable_prefix_caching,
-                swa_bounded_replay=swa_bounded_replay,
-                share_replay=share_replay,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-            ),
-            device=device,
-            dtype=dtype,
-            cuda_graphs=cuda_graphs,
-            async_scheduling=async_scheduling,
-            seed=seed,
-            model_path=path,
-        )
-        self.tokenizer = ByteTokenizer()
+        runs the scheduler and one worker in this process, for debugging.
+
+        `engine_args` are the fields of `raystate.engine_args.EngineArgs` (device, max_model_len,
+        max_num_seqs, kv_cache_bytes, ...), the knobs the Serve app and `raystate serve` take too. E.g.
+        `num_blocks` gives every KV cache group that many blocks per shard; `kv_cache_bytes` instead
+        splits a per-shard byte budget (see `raystate.kv_layout.plan_group_blocks`); `share_replay`:
+        requests admitted in one step with the same replayed prefix hit rebuild its sliding window once
+        (`raystate.scheduler.kv_manager`)."""
+        args = EngineArgs(model=model, **engine_args)
+        resolved = resolve_model(args.model)
+        self.config = build_engine_config(args, resolved)
+        self.tokenizer = load_tokenizer(resolved)
         self._ids = itertools.count()
         self.backend = backend
         self.engine = None  # the in-process engine
@@ -130,7 +91,7 @@ class LLM:
                 self.config, name=launch.free_name("raystate"), num_shards=num_shards, **(ray_options or {})
             )
         else:
-            raise InvalidRequest("backend", "'ray' or 'inprocess'", backend)
+            raise InvalidRequest("backend", " or ".join(map(repr, BACKENDS)), backend)
 
     def shutdown(self) -> None:
         """Stops the Ray deployment (nothing to do in-process)."""

@@ -149,7 +149,7 @@ class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
     finished: bool
     finish_reason: str | None  # "length" | "stop" | "abort" | "error" once finished
     num_cached_tokens: int  # prefix hit h used at the latest admission (0: none or dropped)
-    replay_start: int  # replay start of the latest admission (SPEC 3.3; 0 without replay)
+    replay_start: int  # replay start of the latest admission (DESIGN 3.3; 0 without replay)
     error: str | None = None  # why, when finish_reason is "error" (this request alone failed)
 
 

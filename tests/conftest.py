@@ -13,8 +13,18 @@ if shutil.which("nvidia-smi") is None:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Fixtures that start a local Ray (tests/ray) or a Ray Serve app (tests/serve): every test using one,
+# directly or through another fixture, is `slow`, so `python3 dev.py test --fast` leaves it out.
+# Tests that start Ray in a subprocess carry `@pytest.mark.slow` themselves.
+RAY_FIXTURES = ("local_ray", "serve_port")
 
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` deselection reads the markers
 def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        if any(name in getattr(item, "fixturenames", ()) for name in RAY_FIXTURES):
+            item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -9,10 +9,13 @@ import pytest
 
 from raystate.cli import main
 
+pytestmark = pytest.mark.slow  # whole benchmark runs, interpreted kernels: most of two minutes
+
 
 @pytest.fixture(autouse=True)
 def _reference_kernels(monkeypatch):
     monkeypatch.setenv("RAYSTATE_KERNELS", "reference")
+    monkeypatch.setattr("raystate.kernels._common._reference_forced", True)
 
 
 def test_prefix_bench_smoke(tmp_path, capsys):

@@ -126,6 +126,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_serve_config_deploys_on_a_local_ray(tmp_path):
     config = _load("serve_config.yaml")
     port = _free_port()

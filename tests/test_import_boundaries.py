@@ -1,8 +1,9 @@
 """Import direction (LAYOUT.md): each layer, imported alone in a fresh interpreter, pulls in only what it may.
 
-`config`, `messages`, `errors` stay on the standard library and msgspec; the scheduler and the serving
-layer never load torch or triton (the serving layer imports the engine only inside the replica, through
-its client factory); the kernels never load Ray; the worker and the model never load the scheduler or Ray.
+`config`, `kv_layout`, `engine_args`, `messages`, `errors` stay on the standard library and msgspec; the
+scheduler and the serving layer never load torch or triton (the serving layer imports the engine only
+inside the replica, through its client factory); the kernels never load Ray; the worker and the model
+never load the scheduler or Ray.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ HEAVY = ("torch", "triton", "ray")
 
 CASES = {
     "wire types and config": (
-        ["raystate.config", "raystate.messages", "raystate.errors", "raystate.tokenizer"],
+        ["raystate.config", "raystate.kv_layout", "raystate.engine_args", "raystate.messages"]
+        + ["raystate.errors", "raystate.tokenizer"],
         [*HEAVY, "numpy"],
     ),
     "package root": (["raystate"], HEAVY),

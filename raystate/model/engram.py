@@ -1,8 +1,8 @@
-"""Engram n-gram memory (SPEC section 2): hash constants, the hash call and the gated fusion.
+"""Engram n-gram memory (DESIGN section 2): hash constants, the hash call and the gated fusion.
 
 Each engram layer hashes the compressed ids of the n-grams ending at every token into rows of one
 table, concatenates the rows and adds a gated projection of them to the residual stream. The hash must be
-bit-exact whatever the chunking (SPEC section 1), so its constants are fixed by the config alone: they are
+bit-exact whatever the chunking (DESIGN section 1), so its constants are fixed by the config alone: they are
 built by the pure function `engram_hash_constants`, kept as int64 buffers and never saved with the
 weights.
 """
@@ -83,7 +83,7 @@ def consecutive_primes(start: int, count: int) -> list[int]:
 
 
 def engram_hash_constants(config: ModelConfig) -> dict[int, EngramHashConstants]:
-    """SPEC section 2, by engram layer id: multipliers from default_rng(10007 * layer_id); primes taken in
+    """DESIGN section 2, by engram layer id: multipliers from default_rng(10007 * layer_id); primes taken in
     order layer (ascending id), order (2..N), head, consecutive from engram_vocab_size, never reused."""
     compress, pad_id = compressed_vocab(config.vocab_size, config.pad_token_id)
     num_compressed = int(compress.max()) + 1
@@ -113,7 +113,7 @@ def engram_hash_constants(config: ModelConfig) -> dict[int, EngramHashConstants]
 class Engram(nn.Module):
     """One layer's engram: hash -> rows -> key/value -> gate -> residual update.
 
-    Fusion (a reference simplification the SPEC allows): key = W_k(rows), value = W_v(rows),
+    Fusion (a reference simplification DESIGN section 2 allows): key = W_k(rows), value = W_v(rows),
     d = <rmsnorm(h), rmsnorm(key)> / sqrt(hidden), gate = sigmoid(sign(d) * sqrt(max(|d|, 1e-6))),
     h + gate * value. The signed square root compresses large similarities, so the gate rarely saturates
     and the memory's contribution stays a smooth function of how well the n-gram matches the context.

@@ -5,7 +5,7 @@ no paged KV and call no paged kernel: attention is a plain masked softmax over e
 engram hash is the PyTorch reference. They differ from the paged forward only in how keys are kept.
 
 - `dense_forward`: a cold run over a whole sequence in one chunk.
-- `replay_reference`: SPEC section 4's truncated replay after a prefix hit of `hit_tokens` tokens,
+- `replay_reference`: DESIGN section 4's truncated replay after a prefix hit of `hit_tokens` tokens,
   recomputing from `replay_start` on.
 """
 
@@ -109,7 +109,7 @@ def replay_reference(
     replay_start: int,
     cold_kv: list[LayerKV] | None,
 ) -> torch.Tensor:  # fp32 [L - replay_start, vocab]
-    """SPEC section 4: the output of a request that hit `hit_tokens` cached tokens and replays from
+    """DESIGN section 4: the output of a request that hit `hit_tokens` cached tokens and replays from
     `replay_start`.
 
     Only positions [replay_start, L) are computed. Sliding-window layers see keys from replay_start on

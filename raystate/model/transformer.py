@@ -1,7 +1,7 @@
 """TinyHybrid: the reference hybrid model (sliding-window + full attention layers, engram memory).
 
 The layer pattern comes from `config.layer_types`; each layer reads and writes the KV of its group
-("sliding" or "full", the names of `raystate.config.kv_cache_group_specs`). Engram layers add their
+("sliding" or "full", the names of `raystate.kv_layout.kv_cache_group_specs`). Engram layers add their
 n-gram memory to the residual stream before their attention. The forward pass is paged and chunked: it
 sees only this step's tokens, with everything about earlier tokens in the KV caches and the lookback ids.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raystate.config import KVCacheGroupSpec, ModelConfig, kv_cache_group_specs
+from raystate.config import ModelConfig
+from raystate.kv_layout import KVCacheGroupSpec, kv_cache_group_specs
 from raystate.model.attention import Attention, ForwardMetadata
 from raystate.model.engram import Engram
 from raystate.model.layers import RMSNorm, SwiGLU, TokenEmbedding, rotary_table

@@ -1,106 +1,141 @@
-"""How the scheduler actor sends one step to its shards and gathers the answers.
+"""How one step reaches its shards, and what is in flight: the dispatcher contract and its bookkeeping.
 
-Two interchangeable dispatchers with one interface (`submit`, `in_flight`, `num_in_flight`, `collect`,
-`close`):
-`CompiledDispatch`, one Ray compiled graph over every shard's `execute` (all shards step in lockstep,
-~0.1-0.2 ms a round trip), and `ActorDispatch`, plain actor calls (each shard steps as soon as it
-answered; ~1 ms a round trip). Errors come back per shard, so the actor can recover just those.
+A dispatcher sends each shard its encoded StepMessage (`submit`) and brings the encoded StepResults back
+(`collect`), oldest first. It also keeps the books of what is in flight: which shards got a real message
+(`track`), when, and which of those steps a fault lost, so the step loop (driver.py) need not know how
+a transport answers. Two kinds:
+
+- lockstep (`LockstepDispatch`): every submission is one execution over all of its shards, answered
+  whole and in submission order; a failed execution loses every execution still in flight. The Ray
+  compiled graph (ray_dispatch.py) and `LocalDispatch`, the in-process one, are of this kind.
+- per shard (the Ray `ActorDispatch`): each shard answers on its own; a fault loses that shard's step only.
+
+Probes and benchmarks send untracked payloads (`round_trip`): their answers never reach the scheduler.
+No ray here: the in-process engine and the scheduler tests use `LocalDispatch` without it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import time
 from collections import deque
 
-import ray
-from ray.exceptions import GetTimeoutError
-
-from raystate.messages import StepMessage, encode
+from raystate.messages import StepMessage, decode_step, encode
 
 IDLE_STEP = encode(StepMessage(step_id=0))  # what a shard with nothing to do gets (answer ignored)
 
 
-class CompiledDispatch:
-    """One compiled graph over every live shard's `execute`; all shards step together."""
+class DispatchRefused(Exception):
+    """The transport would not take a submission (a torn-down graph, a dead actor handle): every step in
+    flight on it is lost. `cause` is the transport's own error."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(repr(cause))
+        self.cause = cause
+
+
+@dataclasses.dataclass(slots=True)
+class Answers:
+    """What one `collect` brought back."""
+
+    results: dict[int, bytes]  # shard -> encoded StepResult, for tracked steps only
+    sent_at: dict[int, float]  # shard -> when its step was submitted (time.perf_counter)
+    errors: dict[int, BaseException]  # shard -> why its answer is missing (tracked or not)
+    lost: set[int]  # shards whose tracked step in flight is gone: their state must be reset
+
+
+class LockstepDispatch:
+    """Executions over a fixed set of shards, answered in submission order. Subclasses send (`_send`) and
+    wait (`_wait`); this class keeps, per execution in flight, the tracked shards and their submit time."""
 
     lockstep = True
 
-    def __init__(self, workers: dict[int, object]) -> None:
-        from ray.dag import InputNode, MultiOutputNode
+    def __init__(self) -> None:
+        self._sent: deque[dict[int, float]] = deque()  # per execution in flight, oldest first
+        self._handles: deque = deque()
 
-        self.shards = sorted(workers)
-        with InputNode() as inp:
-            outs = [workers[s].execute.bind(inp[i]) for i, s in enumerate(self.shards)]
-            self.dag = MultiOutputNode(outs).experimental_compile()
-        self._refs: deque = deque()  # executions in flight, oldest first (two with async scheduling)
+    def _send(self, payloads: dict[int, bytes]):
+        raise NotImplementedError
 
-    def submit(self, payloads: dict[int, bytes]) -> None:
-        self._refs.append(self.dag.execute(*[payloads.get(s, IDLE_STEP) for s in self.shards]))
+    def _wait(self, handle, timeout_s: float | None) -> tuple[dict[int, bytes], dict[int, BaseException]]:
+        raise NotImplementedError
 
-    def in_flight(self) -> bool:
-        return bool(self._refs)
+    def submit(self, payloads: dict[int, bytes], track: bool = True) -> None:
+        """Starts one execution; raises DispatchRefused when the transport would not take it."""
+        sent = dict.fromkeys(payloads, time.perf_counter()) if track else {}
+        handle = self._send(payloads)
+        self._sent.append(sent)
+        self._handles.append(handle)
 
     def num_in_flight(self) -> int:
-        return len(self._refs)
+        return len(self._handles)
 
-    def collect(self, timeout_s: float) -> tuple[dict[int, bytes], dict[int, BaseException]]:
-        """The oldest execution's answers (the graph answers in submission order)."""
-        ref = self._refs.popleft()
-        try:
-            outs = ray.get(ref, timeout=timeout_s)
-        except Exception as e:  # a dead actor, a channel error or a timeout: every shard's answer is lost
-            return {}, {s: e for s in self.shards}
-        return dict(zip(self.shards, outs, strict=True)), {}
+    def collect(self, timeout_s: float | None = None) -> Answers:
+        """The oldest execution's answers. A failed execution loses every one still in flight."""
+        sent = self._sent.popleft()
+        outs, errors = self._wait(self._handles.popleft(), timeout_s)
+        if errors:
+            lost = set(sent).union(*self._sent)
+            self._sent.clear()
+            self._handles.clear()
+            return Answers({}, sent, errors, lost)
+        return Answers({s: outs[s] for s in sent}, sent, {}, set())
+
+    def abandon(self) -> set[int]:
+        """After a refused submission: forgets every execution in flight; returns their tracked shards."""
+        lost = set().union(*self._sent)
+        self._sent.clear()
+        self._handles.clear()
+        return lost
 
     def close(self) -> None:
-        self._refs.clear()
-        with contextlib.suppress(Exception):  # an actor of the graph may be gone already
-            self.dag.teardown()
+        self._sent.clear()
+        self._handles.clear()
 
 
-class ActorDispatch:
-    """Plain actor calls; each shard steps as soon as it answered its last message."""
+class LocalDispatch(LockstepDispatch):
+    """In-process workers: each message is decoded as a worker actor would decode it and launched at once;
+    `collect` finishes the oldest launch and encodes its answer. Errors propagate as they are.
 
-    lockstep = False
+    A worker has `launch(StepMessage) -> handle` and `finish(handle) -> StepResult` (the real worker
+    queues its device work in `launch`, so the next step can be planned while it runs). `worker_ns` adds
+    up the time spent inside the workers, which a profile subtracts to get the wire's own cost.
+    """
 
-    def __init__(self, workers: dict[int, object]) -> None:
-        self.workers = dict(workers)
-        self._refs: dict[int, tuple[object, float]] = {}  # shard -> (ref, deadline)
+    def __init__(self, workers: dict) -> None:
+        super().__init__()
+        self.workers = workers
+        self.worker_ns = 0
 
-    def submit(self, payloads: dict[int, bytes]) -> None:
+    def _send(self, payloads: dict[int, bytes]) -> dict:
+        clock = time.perf_counter_ns
+        handles = {}
         for s, data in payloads.items():
-            self._refs[s] = (self.workers[s].execute.remote(data), 0.0)
+            msg = decode_step(data)
+            t = clock()
+            handles[s] = self.workers[s].launch(msg)
+            self.worker_ns += clock() - t
+        return handles
 
-    def in_flight(self) -> bool:
-        return bool(self._refs)
+    def _wait(self, handles: dict, timeout_s: float | None) -> tuple[dict[int, bytes], dict]:
+        clock = time.perf_counter_ns
+        outs = {}
+        for s, handle in handles.items():
+            t = clock()
+            result = self.workers[s].finish(handle)
+            self.worker_ns += clock() - t
+            outs[s] = encode(result)
+        return outs, {}
 
-    def num_in_flight(self) -> int:
-        return len(self._refs)
 
-    def collect(self, timeout_s: float) -> tuple[dict[int, bytes], dict[int, BaseException]]:
-        now = time.monotonic()
-        for s, (ref, deadline) in self._refs.items():
-            if not deadline:
-                self._refs[s] = (ref, now + timeout_s)
-        by_ref = {ref: s for s, (ref, _) in self._refs.items()}
-        wait_s = max(0.0, min(d for _, d in self._refs.values()) - now)
-        ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=wait_s)
-        if ready:  # take every answer already there
-            ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
-        results, errors = {}, {}
-        for ref in ready:
-            s = by_ref[ref]
-            del self._refs[s]
-            try:
-                results[s] = ray.get(ref)
-            except Exception as e:
-                errors[s] = e
-        now = time.monotonic()
-        for s in [s for s, (_, deadline) in self._refs.items() if deadline <= now]:
-            del self._refs[s]
-            errors[s] = GetTimeoutError(f"shard {s}: no answer within the step timeout")
-        return results, errors
-
-    def close(self) -> None:
-        self._refs.clear()
+def round_trip(dispatch, payloads: dict[int, bytes], timeout_s: float | None) -> None:
+    """Sends untracked payloads and waits for every answer (idle probes, benchmarks); raises the first
+    error, the transport's own."""
+    try:
+        dispatch.submit(payloads, track=False)
+    except DispatchRefused as e:
+        raise e.cause from None
+    while dispatch.num_in_flight():
+        errors = dispatch.collect(timeout_s).errors
+        if errors:
+            raise next(iter(errors.values()))

@@ -6,7 +6,7 @@ every group covers tokens [j * block_size, (j + 1) * block_size). Groups fall in
 - cacheable (full attention; window groups too when bounded replay is off): hit blocks are shared, full
   computed blocks are registered in the group's prefix index, nothing is released before the request ends.
 - window (sliding attention with bounded replay on): never cached; null blocks below `replay_start`;
-  blocks wholly before `num_computed - W + 1` are released as the request advances (SPEC 3.8). Shared
+  blocks wholly before `num_computed - W + 1` are released as the request advances (DESIGN 3.8). Shared
   only within one step, by requests that replay the same hit (shared replay, below).
 - plain (prefix caching off): fresh blocks only.
 
@@ -14,9 +14,9 @@ A request's per-group block lists are index-aligned with its tokens; a released 
 
 Shared replay: a burst of requests with one cached system prompt all hit the same h and would each
 recompute the same P tokens [h - P, h) to rebuild the same window KV. With `share_replay`, the first of
-them admitted in a step replays (SPEC 3.3) and becomes that hit's donor; each later one in the same step
+them admitted in a step replays (DESIGN 3.3) and becomes that hit's donor; each later one in the same step
 shares the donor's window blocks over [replay_start, h) and starts computing at h, its replay start still
-h - P (the floor of its window reads). That is exact against SPEC 4's truncated-replay reference: the
+h - P (the floor of its window reads). That is exact against DESIGN 4's truncated-replay reference: the
 window KV over [h - P, h) is the same function of the same tokens and the same cached full-attention KV
 whichever request computes it, and within one step every layer writes all rows' KV before any row reads
 it, so the borrowers read what the donor wrote. Only within a step: a donor's blocks behind its window
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from raystate.config import KVCacheGroupSpec, replay_tokens
+from raystate.kv_layout import KVCacheGroupSpec, replay_tokens
 from raystate.scheduler.block_pool import NULL_BLOCK, BlockPool
-from raystate.scheduler.prefix_cache import PrefixIndex, extend_block_hashes, longest_hit
+from raystate.scheduler.prefix_cache import PrefixIndex, extend_block_hashes
 from raystate.scheduler.replay import NO_HIT, ReplayPlan, max_hit_blocks, plan_replay
 from raystate.scheduler.request import Request
 
@@ -54,7 +54,7 @@ class KVManager:
         self.caching = enable_prefix_caching
         self.replay_tokens = replay_tokens(groups) if enable_prefix_caching else 0
         self.cacheable = [i for i, g in enumerate(groups) if enable_prefix_caching and g.prefix_cacheable]
-        # Window groups release blocks behind the window unless they are cached (SPEC 3.7-3.8).
+        # Window groups release blocks behind the window unless they are cached (DESIGN 3.7-3.8).
         self.window = [
             (i, g.sliding_window) for i, g in enumerate(groups) if g.is_sliding and i not in self.cacheable
         ]
@@ -88,18 +88,18 @@ class KVManager:
         """Leading whole blocks of req's history held by every cacheable group (capped below its length)."""
         if not self._cacheable_indices:
             return 0
-        limit = max_hit_blocks(req.num_tokens, self.block_size)
-        self.hash_blocks(req, limit)
-        return longest_hit(self._cacheable_indices, req.block_hashes, limit)
+        return len(self.hit_block_ids(req)[0])
 
     def plan(self, req: Request) -> ReplayPlan:
-        """What admitting req here would give (SPEC 3 steps 1-4), without taking anything."""
+        """What admitting req here would give (DESIGN 3 steps 1-4), without taking anything."""
         if not self._cacheable_indices:
             return NO_HIT
         return plan_replay(self.lookup(req), req.num_tokens, self.block_size, self.replay_tokens)
 
     def hit_block_ids(self, req: Request) -> list[list[int]]:
-        """Per cacheable group, the ids of the blocks `lookup` counts (every list has that length).
+        """Per cacheable group, the ids of the leading blocks of req's history that every cacheable group
+        holds (capped below its length; every list has the same length): the one hit lookup, for routing
+        (`plan`) and admission alike.
 
         One pass per group over the hashes finds the hit and collects its blocks, so admission does not
         look the hashes up a second time to share them. The last hit found is remembered: the leading
@@ -155,15 +155,11 @@ class KVManager:
             self._memo_stamp = stamp
         return hit
 
-    def admit(self, req: Request) -> ReplayPlan:
-        """Starts req (num_computed == 0, no blocks): shares its hit blocks and sets num_computed,
-        replay_start and num_cached_tokens. Blocks for its first chunk come from `allocate`."""
-        return self._admit(req, 0)[0]
-
     def admit_chunk(self, req: Request, max_tokens: int, donors: dict | None = None) -> int:
-        """`admit(req)`, then `allocate(req, n)` for its first chunk, n = min(tokens to compute,
-        max_tokens), in one pass. Returns n, or 0 when some pool is short: then the admission is taken
-        back (`preempt`) and req holds nothing, exactly as admit + a failed allocate + preempt leave it.
+        """Starts req (num_computed == 0, no blocks): DESIGN 3 steps 1-4 (shares its hit blocks, sets
+        num_computed, replay_start and num_cached_tokens), then blocks for its first chunk of n =
+        min(tokens to compute, max_tokens) tokens, in one pass. Returns n, or 0 when some pool is short:
+        then the admission is taken back (`preempt`) and req holds nothing.
 
         `donors` is the step's record of replayed hits (an empty dict at the step's first admission,
         the same dict for every admission of the step): with shared replay, a request whose hit was
@@ -172,11 +168,6 @@ class KVManager:
 
         The new blocks are not recorded in `req.new_block_ids`: a request admitted in this step goes
         out as a NewRequest carrying its whole block lists.
-        """
-        return self._admit(req, max_tokens, donors)[1]
-
-    def _admit(self, req: Request, max_tokens: int, donors: dict | None = None) -> tuple[ReplayPlan, int]:
-        """SPEC 3 steps 1-4 for req, then (max_tokens > 0) blocks for its first chunk: (plan, chunk).
 
         Admission runs once per request but a burst admits many at once, so this is written flat:
         no zip(strict=...) (it builds a kwargs dict per call) and no min() of two ints.
@@ -247,7 +238,7 @@ class KVManager:
         if n < 0:  # a pool is short: take the admission back
             self.preempt(req)
             n = 0
-        return plan, n
+        return n
 
     # -- growth ------------------------------------------------------------------------------------------
 
@@ -280,12 +271,6 @@ class KVManager:
                 capacity = len(ids)
         req.block_capacity = capacity * bs
         return True
-
-    def take_new_block_ids(self, req: Request) -> list[list[int]]:
-        """The blocks allocated since the last message (what a RunningDelta carries); resets them."""
-        new = req.new_block_ids
-        req.new_block_ids = None
-        return new if new is not None else list(map(list, self._no_blocks))
 
     def advance(self, req: Request) -> None:
         """After req.num_computed grew: registers newly full blocks in the cacheable groups' indices and
@@ -363,8 +348,8 @@ class KVManager:
         req.kv_check_at = _NEVER
 
     def preempt(self, req: Request) -> None:
-        """Preemption by recompute (SPEC 3.6), or an admission taken back: frees req's blocks and resets
-        its KV progress, so its next admission starts again from SPEC 3 step 1."""
+        """Preemption by recompute (DESIGN 3.6), or an admission taken back: frees req's blocks and resets
+        its KV progress, so its next admission starts again from DESIGN 3 step 1."""
         self.free(req)
         req.num_computed = 0
         req.replay_start = 0

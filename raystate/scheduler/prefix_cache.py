@@ -15,7 +15,6 @@ from __future__ import annotations
 import array
 import hashlib
 import sys
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -123,24 +122,3 @@ class PrefixIndex:
     def clear(self) -> None:
         self.blocks.clear()
         self.removals += 1
-
-
-def longest_hit(indices: Sequence[PrefixIndex], hashes: Sequence[bytes], max_blocks: int) -> int:
-    """Leading blocks of `hashes` (at most max_blocks) that every index holds: a hit is whole blocks
-    held by every cacheable group, so the first block missing from any group ends it."""
-    if not indices:
-        return 0
-    limit = min(max_blocks, len(hashes))
-    if len(indices) == 1:
-        blocks = indices[0].blocks
-        for n in range(limit):
-            if hashes[n] not in blocks:
-                return n
-        return limit
-    maps = [index.blocks for index in indices]
-    for n in range(limit):
-        h = hashes[n]
-        for blocks in maps:
-            if h not in blocks:
-                return n
-    return limit

@@ -1,10 +1,10 @@
-"""SPEC section 3, steps 1-4, as one pure function: a prefix hit -> where the request starts computing.
+"""DESIGN section 3, steps 1-4, as one pure function: a prefix hit -> where the request starts computing.
 
 Why replay: sliding-window layers are not prefix-cacheable (their KV for a prefix depends on nothing but
 the last W tokens, and keeping it for every cached prefix would cost as much as full attention). So a hit
 of h tokens restarts the window layers P = W tokens before h: the request computes from h - P, its
 window layers rebuild their KV over those P tokens, and its full-attention layers keep the cached KV
-(the worker pads their slots there, SPEC section 4). A hit no longer than P saves nothing and is dropped.
+(the worker pads their slots there, DESIGN section 4). A hit no longer than P saves nothing and is dropped.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def max_hit_blocks(num_tokens: int, block_size: int) -> int:
 
 def plan_replay(num_hit_blocks: int, num_tokens: int, block_size: int, replay_tokens: int) -> ReplayPlan:
     """Admission of a request with num_computed == 0 and `num_hit_blocks` leading blocks found in every
-    cacheable group's index (SPEC 3 steps 1-4).
+    cacheable group's index (DESIGN 3 steps 1-4).
 
     1. h = whole hit blocks, capped below `num_tokens`.
     2. 0 < h <= P: the hit is dropped (no shared blocks; recomputed from 0).

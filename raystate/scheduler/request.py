@@ -1,6 +1,6 @@
 """The scheduler-side request: its token history, progress, KV blocks and the rules that finish it.
 
-The scheduler is the one place that holds every request's token ids (SPEC section 5): a worker can die
+The scheduler is the one place that holds every request's token ids (DESIGN section 5): a worker can die
 and the request is re-sent in full from here. Token ids live in an int32 `array` (prompt, then outputs)
 so they go on the wire and into the block hashes without a per-token conversion.
 
@@ -33,8 +33,9 @@ class Request:
     """One request as the scheduler tracks it.
 
     `num_computed` counts tokens whose KV the shard holds; it advances when a step's result arrives
-    (`num_scheduled` is the chunk of the step in flight). `replay_start` holds for every prefill chunk of
-    the current admission; decode rows run with 0, which the worker derives from its own state.
+    (`num_scheduled` is the chunk of the normal step in flight; a lookahead step planned on top of it keeps
+    its rows' counts itself). `replay_start` holds for every prefill chunk of the current admission;
+    decode rows run with 0, which the worker derives from its own state.
     """
 
     __slots__ = (

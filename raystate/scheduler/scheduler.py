@@ -1,18 +1,21 @@
 """The scheduler: request intake and validation, routing to shards, one StepMessage per shard and step.
 
 It holds every request's token ids, every shard's block pools and prefix index, and every replay start
-(SPEC section 5); it never imports torch or ray, and does no I/O. A driver (the scheduler actor, or a
-test) loops:
+(DESIGN section 5); it never imports torch or ray, and does no I/O. The step loop (`StepDriver`, driver.py,
+for every backend) calls it:
 
     messages = scheduler.schedule()          # {shard: StepMessage}
     for shard, msg in messages.items():
         result = worker[shard].execute(msg)  # StepResult, rows in the message's row order
         updates = scheduler.update(shard, result)
 
-Every message must be answered before that shard gets another one. Batch rows of a message are its
-new_requests (all scheduled) then its running deltas; the worker samples a row only when its chunk
-reaches the end of the known tokens (num_computed + num_scheduled == prompt + outputs) and returns -1
-otherwise. A decode row schedules 1 token, the last sampled one; replay_start travels only in
+A shard gets its next normal step only once its messages in flight are answered; with
+`schedule(lookahead=True)` (async scheduling) it may also get a decode step planned on top of the one in
+flight, so up to two are in flight per shard, and their answers must be applied in the order sent.
+Batch rows of a message are its new_requests (all scheduled) then its running deltas; the worker samples
+a row only when its chunk reaches the end of the known tokens (num_computed + num_scheduled == prompt +
+outputs) and returns -1 otherwise. A decode row schedules 1 token, the last sampled one (a lookahead
+row: the one its step in flight samples, already on the worker's device); replay_start travels only in
 NewRequest and applies to prefill chunks; the worker runs decode rows with 0.
 """
 
@@ -29,7 +32,7 @@ from raystate.errors import InvalidRequest
 from raystate.messages import RequestUpdate, SamplingParams, StepMessage, StepResult
 from raystate.scheduler.prefix_cache import PromptHasher
 from raystate.scheduler.request import Request
-from raystate.scheduler.router import DEFAULT_LOAD_PENALTY, choose_shard
+from raystate.scheduler.router import DEFAULT_LOAD_PENALTY, route
 from raystate.scheduler.shard_scheduler import ShardScheduler
 
 __all__ = ["RequestUpdate", "Scheduler", "SchedulerStats"]
@@ -114,7 +117,7 @@ class Scheduler:
         if self._prompt_hasher is not None:
             self._prompt_hasher.hash_prompt(tokens, req.block_hashes, n // self._block_size)
         if shard is None:
-            shard = self._route(req)
+            shard = route(req, self.shards, self.live_shards(), self.load_penalty)
         elif shard not in self.live_shards():
             raise InvalidRequest("shard", f"one of the live shards {self.live_shards()}", shard)
         self._requests[req_id] = req
@@ -123,14 +126,6 @@ class Scheduler:
     def live_shards(self) -> list[int]:
         return [s for s in range(self.num_shards) if s not in self.dropped]
 
-    def _route(self, req: Request) -> int:
-        live = self.live_shards()
-        if len(live) == 1:
-            return live[0]
-        saved = [shard.kv.plan(req).num_computed if shard.shard in live else 0 for shard in self.shards]
-        loads = [shard.load for shard in self.shards]
-        return choose_shard(saved, loads, self.load_penalty, candidates=live)
-
     def drop_shard(self, shard: int) -> list[str]:
         """The shard is gone for good: forget it and route its requests (re-sent in full) to live shards."""
         ids = self.reset_shard(shard)
@@ -138,8 +133,9 @@ class Scheduler:
         gone = self.shards[shard]
         moved = list(gone.waiting)
         gone.waiting.clear()
+        live = self.live_shards()
         for req in moved:
-            self.shards[self._route(req)].enqueue(req)
+            self.shards[route(req, self.shards, live, self.load_penalty)].enqueue(req)
         return ids
 
     def abort(self, req_id: str) -> bool:

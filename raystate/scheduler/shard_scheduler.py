@@ -3,14 +3,17 @@
 Step policy (`schedule`), within the shard's max_num_seqs running requests and max_num_batched_tokens:
 1. running decodes (one token: the last sampled one), in arrival order;
 2. running partial prefills, in arrival order;
-3. waiting requests, first come first served, admitted through SPEC 3 steps 1-5 (`KVManager.admit`).
+3. waiting requests, first come first served, admitted through DESIGN 3 steps 1-5 (`KVManager.admit_chunk`).
 A prefill chunk takes at most long_prefill_token_threshold tokens when that is > 0. When a running
 request cannot get blocks, the latest-arrived running request is preempted by recompute (its blocks are
 freed, num_computed reset, and it goes back to the front of the queue) until it can; a step that had to
 preempt admits nothing new. Waiting requests never preempt: the queue stops at the first that does not fit.
 
-Every message a shard gets must be answered (`update`) before the shard gets the next one, so at most
-one step per shard is in flight and a request's `num_computed` only moves when its result arrives.
+Steps in flight: a shard gets its next normal step only once every message it got was answered
+(`update`). With lookahead (async scheduling) it may get one decode step planned on top of the one in
+flight (`_schedule_lookahead`), so at most two are in flight; answers are applied in the order the
+messages were sent. A request's `num_computed` only moves when the answer to its row arrives (a
+lookahead row's tokens are counted in the step it records, not in `num_scheduled`).
 """
 
 from __future__ import annotations
@@ -77,11 +80,6 @@ class ShardScheduler:
         self.prefix_hit_tokens = 0
         self.replayed_tokens = 0
         self.shared_replay_tokens = 0
-
-    @property
-    def load(self) -> int:
-        """Requests this shard holds (what the router weighs a hit against)."""
-        return len(self.running) + len(self.waiting)
 
     def enqueue(self, req: Request, front: bool = False) -> None:
         req.shard = self.shard
@@ -152,18 +150,7 @@ class ShardScheduler:
                 req.new_block_ids = None
             deltas.append(RunningDelta(req_id, new_block_ids, req.num_scheduled))
             row_ids.append(req_id)
-        msg = StepMessage(
-            step_id=step_id,
-            new_requests=new_requests,
-            running=deltas,
-            finished_ids=self._finished_ids,
-            preempted_ids=self._preempted_ids,
-        )
-        self._finished_ids = []
-        self._preempted_ids = []
-        all_rows = new_rows + rows
-        self._inflight.append(_InflightStep(step_id, all_rows, row_ids, None))
-        return msg
+        return self._message(_InflightStep(step_id, new_rows + rows, row_ids, None), new_requests, deltas)
 
     def _schedule_lookahead(self, step_id: int) -> StepMessage | None:
         """A decode step planned while the last one runs (async scheduling), or None when that is unsafe.
@@ -209,15 +196,24 @@ class ShardScheduler:
             deltas.append(
                 RunningDelta(req.req_id, no_new_blocks if new_block_ids is None else new_block_ids, 1)
             )
+        step = _InflightStep(step_id, rows, [r.req_id for r in rows], [1] * len(rows))
+        return self._message(step, [], deltas)
+
+    def _message(
+        self, step: _InflightStep, new_requests: list[NewRequest], deltas: list[RunningDelta]
+    ) -> StepMessage:
+        """The step's message, carrying the finished and preempted ids gathered since the last one; the
+        step is recorded as in flight until its answer."""
         msg = StepMessage(
-            step_id=step_id,
+            step_id=step.step_id,
+            new_requests=new_requests,
             running=deltas,
             finished_ids=self._finished_ids,
             preempted_ids=self._preempted_ids,
         )
         self._finished_ids = []
         self._preempted_ids = []
-        self._inflight.append(_InflightStep(step_id, rows, [r.req_id for r in rows], [1] * len(rows)))
+        self._inflight.append(step)
         return msg
 
     def _budget_left(self, rows: list[Request]) -> int:
@@ -284,7 +280,7 @@ class ShardScheduler:
                 return True
 
     def preempt(self, req: Request, rows: list[Request] | None = None) -> None:
-        """Preemption by recompute (SPEC 3.6): frees req's blocks, resets its progress and queues it at
+        """Preemption by recompute (DESIGN 3.6): frees req's blocks, resets its progress and queues it at
         the front; the worker drops it on the next message and later receives it anew."""
         self.running.remove(req)
         if rows is not None and req.num_scheduled and req in rows:
@@ -299,8 +295,9 @@ class ShardScheduler:
     # -- results -----------------------------------------------------------------------------------------
 
     def update(self, result: StepResult) -> tuple[list[RequestUpdate], list[Request]]:
-        """Applies the shard's answer to the message in flight: advances every row by its chunk, appends
-        sampled tokens and finishes requests. Returns the client updates and the requests that finished."""
+        """Applies the shard's answer to its oldest message in flight: advances every row by its chunk,
+        appends sampled tokens and finishes requests. Returns the client updates and the requests that
+        finished."""
         if not self._inflight:
             raise RuntimeError(f"update: shard {self.shard} has no step in flight")
         step = self._inflight[0]

@@ -2,7 +2,7 @@
 
 This is the one place that knows deployment options. The ingress deployment is a plain class around an
 injected client factory: by default it connects to (or starts) the named raystate cluster of the Ray
-backend; `backend: local` runs the in-process engine inside the replica; a test may pass any picklable
+backend; `backend: inprocess` runs the in-process engine inside the replica; a test may pass any picklable
 zero-argument callable that returns a `Client`. The factory runs in the replica, so nothing heavy (torch,
 the model) is imported where the application is built.
 
@@ -18,13 +18,14 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field, create_model
 from ray import serve
 
 from raystate.client import Client
-from raystate.config import CacheConfig, EngineConfig, SchedulerConfig
+from raystate.config import EngineConfig
+from raystate.engine_args import Backend, EngineArgs, build_engine_config, knobs
 from raystate.errors import InvalidRequest
 from raystate.serve.ingress import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -45,26 +46,30 @@ DRAIN_NAMESPACE = "raystate"  # the Ray namespace of DrainNotice actors
 ClientFactory = Callable[[], Client | Awaitable[Client]]
 
 
-class AppArgs(BaseModel):
-    """The application's arguments (`args:` of a Serve config; `key=value` words of `serve run`)."""
+def _engine_fields() -> dict[str, Any]:
+    """EngineArgs' fields as pydantic fields: same names, types and defaults, their help as description."""
+    return {k.name: (k.annotation, Field(k.default, description=k.help)) for k in knobs()}
+
+
+# The engine half of AppArgs, generated so that the Serve args cannot drift from LLM's and the CLI's knobs.
+# Pydantic checks the types; the values are checked where LLM's are, when `build_engine_config` builds the
+# config (make_app does it before the deployment starts): errors name the field and the limit.
+_EngineFields = create_model(
+    "_EngineFields", __config__=ConfigDict(extra="forbid"), __module__=__name__, **_engine_fields()
+)
+
+
+class AppArgs(_EngineFields):
+    """The application's arguments (`args:` of a Serve config; `key=value` words of `serve run`): every
+    `raystate.engine_args.EngineArgs` field (model, device, max_num_seqs, kv_cache_bytes, block_size, ...),
+    then these."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = "tiny"  # a named model (tiny, bench) or a save_pretrained directory
     served_model_name: str | None = None  # the id clients send as `model`; default: the model's name
-    backend: Literal["ray", "local"] = "ray"
+    backend: Backend = "ray"
     cluster_name: str = "raystate"  # the Ray backend's cluster: connected to if it runs, else started
     num_shards: int = Field(1, ge=1)
-    device: str = "cpu"
-    dtype: str = "auto"
-    cuda_graphs: bool = True
-    max_num_seqs: int = Field(64, ge=1)
-    max_model_len: int | None = None
-    kv_cache_bytes: int | None = Field(None, ge=1)  # per shard; None: sized from max_num_seqs
-    enable_prefix_caching: bool = True
-    swa_bounded_replay: bool = True
-    share_replay: bool = True  # one window rebuild per replayed hit per step (KVManager.admit_chunk)
-    seed: int = 0
     api_key: str | None = None  # None: RAYSTATE_API_KEY in the replica's environment, if set
     require_api_key: bool = False  # fail the replica rather than serve without a key
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
@@ -85,37 +90,23 @@ class AppArgs(BaseModel):
     health_check_period_s: float = Field(10.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
 
-    def engine_config(self) -> EngineConfig:
-        from raystate.llm import resolve_model_config
+    def engine_args(self) -> EngineArgs:
+        return EngineArgs(**self.model_dump(include=set(_EngineFields.model_fields)))
 
-        model, path = resolve_model_config(self.model, self.max_model_len)
-        return EngineConfig(
-            model=model,
-            cache=CacheConfig(
-                kv_cache_bytes=self.kv_cache_bytes,
-                enable_prefix_caching=self.enable_prefix_caching,
-                swa_bounded_replay=self.swa_bounded_replay,
-                share_replay=self.share_replay,
-            ),
-            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs),
-            device=self.device,
-            dtype=self.dtype,
-            cuda_graphs=self.cuda_graphs,
-            seed=self.seed,
-            model_path=path,
-        )
+    def engine_config(self) -> EngineConfig:
+        return build_engine_config(self.engine_args())
 
 
 @dataclass(frozen=True)
-class LocalBackend:
+class InProcessBackend:
     """The in-process engine inside the replica (one replica, no Ray actors of its own)."""
 
     config: EngineConfig
 
     def __call__(self) -> Client:
-        from raystate.client import LocalClient
+        from raystate.client import InProcessClient
 
-        return LocalClient(self.config)
+        return InProcessClient(self.config)
 
 
 @dataclass(frozen=True)
@@ -278,8 +269,8 @@ def make_app(args: dict[str, Any] | AppArgs | None = None, client_factory: Clien
     opts = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     if client_factory is None:
         config = opts.engine_config()
-        if opts.backend == "local":
-            client_factory = LocalBackend(config)
+        if opts.backend == "inprocess":
+            client_factory = InProcessBackend(config)
         else:
             client_factory = RayBackend(config, opts.cluster_name, opts.num_shards)
     deployment = serve.deployment(
@@ -287,7 +278,7 @@ def make_app(args: dict[str, Any] | AppArgs | None = None, client_factory: Clien
         name=DEPLOYMENT_NAME,
         num_replicas=opts.num_replicas,
         max_ongoing_requests=opts.max_ongoing_requests,
-        # The model runs in the backend's actors (or, with backend local, on the replica's threads).
+        # The model runs in the backend's actors (or, with backend inprocess, on the replica's threads).
         ray_actor_options={"num_cpus": 0},
         health_check_period_s=opts.health_check_period_s,
         health_check_timeout_s=opts.health_check_timeout_s,

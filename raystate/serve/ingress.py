@@ -75,13 +75,42 @@ def _route_path(scope: Scope) -> str:
     return path or "/"
 
 
-class APIKeyMiddleware:
+class _Guard:
+    """A plain ASGI middleware that checks HTTP requests (`guard`) and passes every other scope (lifespan)
+    through untouched; `reject` answers in OpenAI's error shape, counted like the routes' own errors."""
+
+    def __init__(self, app: ASGIApp, metrics: ServeMetrics) -> None:
+        self.app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        await self.guard(scope, receive, send)
+
+    async def guard(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+    async def reject(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        status: int,
+        body: dict,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self._metrics.errors.labels(str(status)).inc()
+        await JSONResponse(body, status, headers=headers)(scope, receive, send)
+
+
+class APIKeyMiddleware(_Guard):
     """Answers 401 unless `Authorization: Bearer <key>` matches, on every path but OPEN_PATHS."""
 
     def __init__(self, app: ASGIApp, api_key: str, metrics: ServeMetrics) -> None:
-        self.app = app
+        super().__init__(app, metrics)
         self._key = api_key.encode()
-        self._metrics = metrics
 
     def _authorized(self, scope: Scope) -> bool:
         for name, value in scope.get("headers", []):
@@ -90,27 +119,12 @@ class APIKeyMiddleware:
                 return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
         return False
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _route_path(scope) not in OPEN_PATHS and not self._authorized(scope):
-            self._metrics.errors.labels("401").inc()
+    async def guard(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if _route_path(scope) not in OPEN_PATHS and not self._authorized(scope):
             body = error_body("invalid or missing API key", "invalid_request_error", None, "invalid_api_key")
-            await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            await self.reject(scope, receive, send, 401, body, {"WWW-Authenticate": "Bearer"})
             return
         await self.app(scope, receive, send)
-
-
-async def _reject(
-    scope: Scope,
-    receive: Receive,
-    send: Send,
-    metrics: ServeMetrics,
-    status: int,
-    body: dict,
-    headers: dict[str, str] | None = None,
-) -> None:
-    """Answers from a middleware, counted like the routes' own errors."""
-    metrics.errors.labels(str(status)).inc()
-    await JSONResponse(body, status, headers=headers)(scope, receive, send)
 
 
 def _host_name(value: str) -> str:
@@ -122,7 +136,7 @@ def _host_name(value: str) -> str:
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
-class AllowedHostsMiddleware:
+class AllowedHostsMiddleware(_Guard):
     """Answers 400 unless the Host header names an allowed host: a name, `*.domain` (its subdomains) or
     `*` (any). A port in the header or in the list is ignored.
 
@@ -132,12 +146,11 @@ class AllowedHostsMiddleware:
     """
 
     def __init__(self, app: ASGIApp, hosts: list[str], metrics: ServeMetrics) -> None:
-        self.app = app
+        super().__init__(app, metrics)
         names = [_host_name(h) for h in hosts]
         self._any = "*" in names
         self._exact = frozenset(n for n in names if not n.startswith("*"))
         self._suffixes = tuple(n[1:] for n in names if n.startswith("*."))  # ".domain"
-        self._metrics = metrics
 
     def _allowed(self, scope: Scope) -> bool:
         if self._any:
@@ -148,35 +161,31 @@ class AllowedHostsMiddleware:
                 return host in self._exact or (bool(self._suffixes) and host.endswith(self._suffixes))
         return False  # no Host header (HTTP/1.0)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self._allowed(scope):
+    async def guard(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self._allowed(scope):
             body = error_body(
                 "the Host header names a host this server does not serve", "invalid_request_error"
             )
-            await _reject(scope, receive, send, self._metrics, 400, body)
+            await self.reject(scope, receive, send, 400, body)
             return
         await self.app(scope, receive, send)
 
 
-class DrainMiddleware:
+class DrainMiddleware(_Guard):
     """Counts the requests in progress for `RaystateServer.drain`; while the server drains, answers new
     requests 503 (except on DRAIN_OPEN_PATHS, so that a scrape still sees the drain progress), and a
     request that the drain's cut ended before its response began (`ServerShuttingDown`) 503 too."""
 
     def __init__(self, app: ASGIApp, server: RaystateServer, metrics: ServeMetrics) -> None:
-        self.app = app
+        super().__init__(app, metrics)
         self._server = server
-        self._metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def guard(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._server.draining and _route_path(scope) not in DRAIN_OPEN_PATHS:
             body = error_body(
                 "the server is shutting down", "service_unavailable", None, "server_shutting_down"
             )
-            await _reject(scope, receive, send, self._metrics, 503, body)
+            await self.reject(scope, receive, send, 503, body)
             return
         started = False
 
@@ -192,14 +201,14 @@ class DrainMiddleware:
                 if started:
                     raise
                 body = error_body(str(e), "service_unavailable", None, "server_shutting_down")
-                await _reject(scope, receive, send, self._metrics, 503, body)
+                await self.reject(scope, receive, send, 503, body)
 
 
 class _BodyTimeout(Exception):
     """Raised into the app by BodyTimeoutMiddleware's `receive`; no route handles it."""
 
 
-class BodyTimeoutMiddleware:
+class BodyTimeoutMiddleware(_Guard):
     """Answers 408 (and closes the connection) when a request's body has not fully arrived `timeout_s`
     after the request reached the app.
 
@@ -210,14 +219,10 @@ class BodyTimeoutMiddleware:
     """
 
     def __init__(self, app: ASGIApp, timeout_s: float, metrics: ServeMetrics) -> None:
-        self.app = app
+        super().__init__(app, metrics)
         self._timeout_s = timeout_s
-        self._metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def guard(self, scope: Scope, receive: Receive, send: Send) -> None:
         deadline = asyncio.get_running_loop().time() + self._timeout_s
         body_done = False
         started = False
@@ -251,7 +256,7 @@ class BodyTimeoutMiddleware:
                 "request_timeout",
             )
             # The rest of the body is still on its way: the connection cannot carry another request.
-            await _reject(scope, receive, send, self._metrics, 408, body, {"Connection": "close"})
+            await self.reject(scope, receive, send, 408, body, {"Connection": "close"})
 
 
 def _require_json(request: Request) -> None:

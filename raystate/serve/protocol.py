@@ -20,9 +20,10 @@ import json
 import math
 import re
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 # -- limits ---------------------------------------------------------------------------------------------
 # The body as a whole is capped by the ingress (max_body_bytes, 1 MiB by default); these bound what one
@@ -210,6 +211,37 @@ class StreamOptions(_Request):
     include_usage: bool | None = False
 
 
+def _unset(v: Any) -> bool:
+    return not v  # None, or the zero/false/empty value that means "off"
+
+
+def _one(v: Any) -> bool:
+    return v in (None, 1)
+
+
+# Parameters raystate does not implement, accepted only at their neutral value: field -> (whether a value
+# is neutral, the 400's message). One table for both endpoints (a field absent from a request's model is
+# never checked); `_neutral_only` checks the value after pydantic has checked its type.
+_NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (_one, "only n=1 is supported"),
+    "presence_penalty": (_unset, "penalties are not supported (must be 0)"),
+    "frequency_penalty": (_unset, "penalties are not supported (must be 0)"),
+    "logit_bias": (_unset, "logit_bias is not supported"),
+    "logprobs": (_unset, "logprobs are not supported"),
+    "top_logprobs": (_unset, "logprobs are not supported"),
+    "echo": (_unset, "echo is not supported"),
+    "best_of": (_one, "only best_of=1 is supported"),
+    "suffix": (_unset, "suffix is not supported"),
+    "tools": (_unset, "tools are not supported"),
+    # Typed Any, so pydantic's check (on a `str | dict` union it would name the union's members) never runs.
+    "tool_choice": (
+        lambda v: v is None or (isinstance(v, str) and v in ("none", "auto")),
+        "tools are not supported (tool_choice may only be 'none' or 'auto')",
+    ),
+    "response_format": (lambda v: v is None or v.get("type") == "text", "only {'type': 'text'} is supported"),
+}
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -247,25 +279,12 @@ class _SamplingFields(_Request):
             raise ValueError(f"stop strings of at most {MAX_STOP_CHARS} characters, got one of {longest}")
         return v
 
-    @field_validator("n")
+    @field_validator(*_NEUTRAL_ONLY, check_fields=False)
     @classmethod
-    def _n(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None) -> float | None:
-        if v:
-            raise ValueError("penalties are not supported (must be 0)")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _neutral_only(cls, v: Any, info: ValidationInfo) -> Any:
+        is_neutral, message = _NEUTRAL_ONLY[info.field_name]
+        if not is_neutral(v):
+            raise ValueError(message)
         return v
 
     @property
@@ -295,34 +314,6 @@ class CompletionRequest(_SamplingFields):
         if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
             raise ValueError("one prompt per request (batches of prompts are not supported)")
         raise ValueError("must be a string or a non-empty list of token ids")
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
 
 
 class ChatMessage(_Request):
@@ -354,44 +345,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
-    tool_choice: Any = None  # "none", "auto" or absent: checked by _no_tool_choice
+    tool_choice: Any = None  # "none", "auto" or absent: checked against _NEUTRAL_ONLY
     response_format: dict | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list | None) -> list | None:
-        if v:
-            raise ValueError("tools are not supported")
-        return v
-
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _no_tool_choice(cls, v: Any) -> Any:
-        """Before pydantic's own check, which on a `str | dict` union would name the union's members."""
-        if not (v is None or (isinstance(v, str) and v in ("none", "auto"))):
-            raise ValueError("tools are not supported (tool_choice may only be 'none' or 'auto')")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: dict | None) -> dict | None:
-        if v is not None and v.get("type") != "text":
-            raise ValueError("only {'type': 'text'} is supported")
-        return v
 
     @property
     def output_limit(self) -> int | None:

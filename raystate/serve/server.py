@@ -1,7 +1,7 @@
 """RaystateServer: the OpenAI endpoints as plain async methods around an injected `Client`.
 
 No HTTP and no Ray Serve here (ingress.py maps routes onto these methods; app.py makes the deployment), so
-the same server runs over the Ray backend in a Serve replica, over `LocalClient` in a test, or behind any
+the same server runs over the Ray backend in a Serve replica, over `InProcessClient` in a test, or behind any
 other front end. It turns OpenAI requests into token ids and `SamplingParams`, streams `RequestUpdate`s
 back as text, and records latency metrics.
 
@@ -18,7 +18,8 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -74,6 +75,38 @@ def _stream_error(exc: BaseException) -> str:
         logger.warning("stream failed: %s", exc, exc_info=not isinstance(exc, EngineDead))
         body = error_body(f"generation failed: {type(exc).__name__}", "internal_error")
     return f"data: {json.dumps(body)}\n\n"
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """How one endpoint words its answer: the response and chunk models, and a choice of each from
+    (text, finish_reason, token_ids). The two endpoints differ in nothing else."""
+
+    response: type[BaseModel]
+    chunk: type[BaseModel]
+    choice: Callable[[str, str | None, list[int] | None], BaseModel]
+    delta: Callable[[str, str | None, list[int] | None], BaseModel]
+    opening: Callable[[], BaseModel] | None = None  # a stream's first choice, before any token
+
+
+def _completion_choice(text: str, reason: str | None, ids: list[int] | None) -> CompletionChoice:
+    return CompletionChoice(text=text, finish_reason=reason, token_ids=ids)
+
+
+_COMPLETIONS = _Shape(
+    CompletionResponse, CompletionChunk, choice=_completion_choice, delta=_completion_choice
+)
+_CHAT = _Shape(
+    ChatCompletionResponse,
+    ChatCompletionChunk,
+    choice=lambda text, reason, ids: ChatChoice(
+        message=AssistantMessage(content=text), finish_reason=reason, token_ids=ids
+    ),
+    delta=lambda text, reason, ids: ChatChunkChoice(
+        delta=ChatDelta(content=text), finish_reason=reason, token_ids=ids
+    ),
+    opening=lambda: ChatChunkChoice(delta=ChatDelta(role="assistant", content="")),
+)
 
 
 class RaystateServer:
@@ -204,50 +237,19 @@ class RaystateServer:
     # -- endpoints ------------------------------------------------------------------------------------
 
     async def completion(self, req: CompletionRequest) -> CompletionResponse | EventStream:
-        prep = self._prepare_completion(req)
-        gen = await self._start(prep)
-        if req.stream:
-            return EventStream(self._cuttable(self._stream_completion(gen, prep)), gen)
-        await self._run_to_end(gen)
-        choice = CompletionChoice(
-            text=gen.text,
-            finish_reason=gen.finish_reason,
-            token_ids=gen.token_ids if prep.return_token_ids else None,
-        )
-        return CompletionResponse(
-            id=prep.request_id,
-            created=prep.created,
-            model=self.model_name,
-            choices=[choice],
-            usage=gen.usage(),
-        )
-
-    async def _stream_completion(self, gen: Generation, prep: Prepared) -> AsyncIterator[str]:
-        head = dict(id=prep.request_id, created=prep.created, model=self.model_name)
-        try:
-            async for d in gen.deltas():
-                choice = CompletionChoice(text=d.text, finish_reason=d.finish_reason, token_ids=d.token_ids)
-                yield _sse(CompletionChunk(**head, choices=[choice]), prep.return_token_ids)
-        except Exception as e:  # the headers are sent: an error event, never a cut connection
-            yield _stream_error(e)
-            yield SSE_DONE  # as vLLM does: a client reading to [DONE] is never left waiting
-            return
-        if prep.include_usage:
-            yield _sse(CompletionChunk(**head, choices=[], usage=gen.usage()), False)
-        yield SSE_DONE
+        return await self._respond(self._prepare_completion(req), req.stream, _COMPLETIONS)
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | EventStream:
-        prep = self._prepare_chat(req)
+        return await self._respond(self._prepare_chat(req), req.stream, _CHAT)
+
+    async def _respond(self, prep: Prepared, stream: bool | None, shape: _Shape) -> BaseModel | EventStream:
+        """Starts the request, then answers with the whole response or with its event stream."""
         gen = await self._start(prep)
-        if req.stream:
-            return EventStream(self._cuttable(self._stream_chat(gen, prep)), gen)
+        if stream:
+            return EventStream(self._cuttable(self._stream(gen, prep, shape)), gen)
         await self._run_to_end(gen)
-        choice = ChatChoice(
-            message=AssistantMessage(content=gen.text),
-            finish_reason=gen.finish_reason,
-            token_ids=gen.token_ids if prep.return_token_ids else None,
-        )
-        return ChatCompletionResponse(
+        choice = shape.choice(gen.text, gen.finish_reason, gen.token_ids if prep.return_token_ids else None)
+        return shape.response(
             id=prep.request_id,
             created=prep.created,
             model=self.model_name,
@@ -255,27 +257,20 @@ class RaystateServer:
             usage=gen.usage(),
         )
 
-    async def _stream_chat(self, gen: Generation, prep: Prepared) -> AsyncIterator[str]:
+    async def _stream(self, gen: Generation, prep: Prepared, shape: _Shape) -> AsyncIterator[str]:
         head = dict(id=prep.request_id, created=prep.created, model=self.model_name)
-        keep_ids = prep.return_token_ids
         try:
-            yield _sse(
-                ChatCompletionChunk(
-                    **head, choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]
-                ),
-                False,
-            )
+            if shape.opening is not None:
+                yield _sse(shape.chunk(**head, choices=[shape.opening()]), False)
             async for d in gen.deltas():
-                choice = ChatChunkChoice(
-                    delta=ChatDelta(content=d.text), finish_reason=d.finish_reason, token_ids=d.token_ids
-                )
-                yield _sse(ChatCompletionChunk(**head, choices=[choice]), keep_ids)
+                choice = shape.delta(d.text, d.finish_reason, d.token_ids)
+                yield _sse(shape.chunk(**head, choices=[choice]), prep.return_token_ids)
         except Exception as e:  # the headers are sent: an error event, never a cut connection
             yield _stream_error(e)
             yield SSE_DONE  # as vLLM does: a client reading to [DONE] is never left waiting
             return
         if prep.include_usage:
-            yield _sse(ChatCompletionChunk(**head, choices=[], usage=gen.usage()), False)
+            yield _sse(shape.chunk(**head, choices=[], usage=gen.usage()), False)
         yield SSE_DONE
 
     def models(self) -> ModelList:

@@ -4,6 +4,10 @@ The scheduler sends block ids (full lists for new requests, appended ids for run
 mirror takes them and only the rows that changed are copied to the device before a step. Entries a
 request no longer needs (sliding-window blocks released by the scheduler) may stay stale here: the
 attention window and the read floor never reach them and no slot mapping points into them.
+
+The slot mappings are written into one persistent buffer, allocated once for the largest step and sliced
+to each step's tokens: no allocation per step, and a captured decode graph reads and writes the same
+address every replay.
 """
 
 from __future__ import annotations
@@ -21,16 +25,22 @@ class BlockTables:
         max_num_reqs: int,
         max_blocks_per_req: int,
         block_size: int,
+        max_num_tokens: int,
         device: torch.device,
     ) -> None:
         self.block_size = block_size
         self.max_blocks = max_blocks_per_req
+        self.max_num_tokens = max_num_tokens
         self.host = np.zeros((num_groups, max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros((num_groups, max_num_reqs), dtype=np.int64)
         # One more row than state slots: the scratch slot of graph padding rows (all null blocks).
         self.device_tables = torch.zeros(
             (num_groups, max_num_reqs + 1, max_blocks_per_req), dtype=torch.int32, device=device
         )  # int32 [G, R + 1, M]
+        # Every step's slot mappings: its first T columns (T: the step's tokens, graph padding included).
+        self._slot_buf = torch.empty(
+            (num_groups, max_num_tokens), dtype=torch.int64, device=device
+        )  # int64 [G, T_max]
         self._dirty: set[int] = set()
 
     def set_row(self, slot: int, block_ids: list[list[int]]) -> None:
@@ -71,11 +81,20 @@ class BlockTables:
         idx_mapping: torch.Tensor,  # int64 [B]: batch row -> state slot
         query_start_loc: torch.Tensor,  # int32 [B + 1]
         positions: torch.Tensor,  # int64 [T]
-        out: torch.Tensor,  # int64 [G, T]
     ) -> torch.Tensor:
-        """slot = block_table[g, slot, pos // block_size] * block_size + pos % block_size: one launch."""
-        tables = self.device_tables
-        compute_slot_mappings(tables, idx_mapping, query_start_loc, positions, self.block_size, out)
+        """int64 [G, T], a view of the persistent buffer, valid until the next step writes it:
+        slot = block_table[g, slot, pos // block_size] * block_size + pos % block_size, one launch.
+        Tokens past query_start_loc[B] (graph padding) get PAD_SLOT_ID."""
+        num_tokens = positions.shape[0]
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"num_scheduled: {num_tokens} tokens in one step, more than the {self.max_num_tokens} "
+                "the worker is sized for (max_num_batched_tokens)"
+            )
+        out = self._slot_buf[:, :num_tokens]
+        compute_slot_mappings(
+            self.device_tables, idx_mapping, query_start_loc, positions, self.block_size, out
+        )
         return out
 
     def batch_tables(self, idx_mapping: torch.Tensor) -> torch.Tensor:

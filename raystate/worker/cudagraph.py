@@ -7,25 +7,31 @@ padded batch size (1, 2, 4, ... max_num_seqs), holds the step's device work from
 
     staged row data (one pinned host -> device copy per step: state slot, position, seq len, query start)
     -> chunk starts scattered into the token-state's device copy -> input ids gathered from the token
-    history -> engram lookback (`gather_lookback`) -> slot mappings (`compute_slot_mappings`) -> block
-    tables gathered per row -> forward -> logits -> greedy argmax (FAILED_ROW where a row's logits are
-    not finite) -> the argmax appended to the history.
+    history -> engram lookback, slot mappings, block tables gathered per row and attention metadata (the
+    model state's `build_metadata`, the eager step's own) -> forward -> logits -> greedy argmax
+    (FAILED_ROW where a row's logits are not finite) -> the argmax appended to the history.
 
 The host's share per step is filling the staging buffer, one copy, one replay, one copy of the sampled
 ids back. Rows past the batch size are padding: they point at the token state's scratch slot (never a
 request's), have no query tokens and a zero sequence length, so they write no KV and no request's
 history. A batch with any non-greedy row samples from the graph's logits on the host side afterwards and
 overwrites the appended argmax. The lookback and replay-start buffers are the model state's persistent
-tensors, so graphs read the same addresses every replay; decode rows have no replay floor.
+tensors and the slot mappings the block tables' persistent buffer, so graphs read the same addresses every
+replay; decode rows have no replay floor.
+
+A graph is handed what its step touches (`DecodeStepParts`), never the worker.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from raystate.kernels import compute_slot_mappings, gather_lookback
-from raystate.model.attention import ForwardMetadata, GroupMetadata
+from raystate.worker.block_table import BlockTables
+from raystate.worker.model_state import HybridModelState
+from raystate.worker.requests import RequestStates
 from raystate.worker.sampler import greedy_checked
 
 
@@ -39,20 +45,31 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+@dataclass(frozen=True)
+class DecodeStepParts:
+    """What a decode step's device work reads and writes. All of it is allocated once, so a replay
+    touches the addresses its capture saw."""
+
+    model: torch.nn.Module
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k, v
+    states: RequestStates  # token history, device chunk starts, the scratch slot of padding rows
+    block_tables: BlockTables  # device tables and the persistent slot-mapping buffer
+    model_state: HybridModelState  # the persistent lookback buffer and `build_metadata`
+
+
 class DecodeGraphs:
-    def __init__(self, worker) -> None:
-        self.worker = worker
-        w = worker
-        self.sizes = capture_sizes(w.config.scheduler.max_num_seqs)
+    def __init__(self, parts: DecodeStepParts, max_num_seqs: int) -> None:
+        self.parts = parts
+        self.sizes = capture_sizes(max_num_seqs)
         max_b = self.max_b = self.sizes[-1]
-        dev = w.device
+        dev = parts.states.device
         # Staging (int64): slots [Bmax] | positions [Bmax] | seq_lens [Bmax] | query_start_loc [Bmax + 1],
         # in pinned memory on CUDA so its copy is asynchronous.
         pin = dev.type == "cuda"
         n = 4 * max_b + 1
         self.staged = torch.zeros(n, dtype=torch.int64, device=dev)  # int64 [4 Bmax + 1]
-        self.slot_mappings = torch.empty((len(w.groups), max_b), dtype=torch.int64, device=dev)  # [G, Bmax]
-        self.logits = torch.zeros((max_b, w.model.config.vocab_size), dtype=torch.float32, device=dev)
+        vocab_size = parts.model.config.vocab_size
+        self.logits = torch.zeros((max_b, vocab_size), dtype=torch.float32, device=dev)  # fp32 [Bmax, V]
         self.sampled = torch.zeros(max_b, dtype=torch.int64, device=dev)  # greedy ids [Bmax]
         # Two of each host buffer, used in turn: a step may be launched before the last one is finished.
         self.host_bufs = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]  # [4 Bmax + 1]
@@ -71,35 +88,20 @@ class DecodeGraphs:
 
     def _step(self, size: int) -> None:
         """Everything a decode step does on the device, for `size` rows (captured, then replayed)."""
-        w = self.worker
-        states = w.states
+        p = self.parts
+        states = p.states
         slots, positions, seq_lens, qsl = self._views(size)  # int64 [size] x3, [size + 1]
         qsl32 = qsl.to(torch.int32)
         # A decode row's chunk starts at its position: keep the device copy of chunk starts exact.
         states.num_computed_tokens[slots] = positions.to(torch.int32)
         input_ids = states.all_token_ids[slots, positions]  # int32 [size]
-        lookback = w.model_state.lookback
-        gather_lookback(lookback, slots, states.num_computed_tokens, states.all_token_ids, size)
-        slot_mappings = self.slot_mappings[:, :size]
-        compute_slot_mappings(
-            w.block_tables.device_tables, slots, qsl32, positions, w.block_tables.block_size, slot_mappings
+        # No replay starts: decode rows have no replay floor, and the graph captures no host copy.
+        lookback, meta = p.model_state.build_metadata(
+            states, p.block_tables, slots, qsl32, seq_lens.to(torch.int32), positions, max_query_len=1
         )
-        tables = w.block_tables.device_tables[:, slots]  # int32 [G, size, M]
-        groups = {
-            spec.name: GroupMetadata(
-                block_table=tables[g],
-                slot_mapping=slot_mappings[g],
-                sliding_window=spec.sliding_window,
-                kv_floor=None,
-            )
-            for g, spec in enumerate(w.groups)
-        }
-        meta = ForwardMetadata(
-            query_start_loc=qsl32, seq_lens=seq_lens.to(torch.int32), groups=groups, max_query_len=1
-        )
-        hidden = w.model(input_ids, positions, lookback, meta, w.kv_caches)
+        hidden = p.model(input_ids, positions, lookback, meta, p.kv_caches)
         logits = self.logits[:size]
-        logits.copy_(w.model.compute_logits(hidden))
+        logits.copy_(p.model.compute_logits(hidden))
         sampled = self.sampled[:size]
         sampled.copy_(greedy_checked(logits))  # FAILED_ROW where a row's logits are not finite
         # Padding rows append to the scratch slot's history, which no request reads. A failed row
@@ -110,14 +112,14 @@ class DecodeGraphs:
         """Every row padding: what capture runs on (nothing a request owns is read or written)."""
         host = self.host_bufs[self._turn]
         m, h = self.max_b, host.numpy()
-        h[:m] = self.worker.states.scratch_slot
+        h[:m] = self.parts.states.scratch_slot
         h[m:] = 0
         self.staged.copy_(host)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        w = self.worker
-        w.model_state.prepare_dummy_inputs(w.model_state.max_num_reqs)
+        model_state = self.parts.model_state
+        model_state.prepare_dummy_inputs(model_state.max_num_reqs)
         self._stage_padding()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -159,7 +161,7 @@ class DecodeGraphs:
         host = self.host_bufs[self._turn]  # the other step's buffer may still be copying
         m, h = self.max_b, host.numpy()
         h[:b] = slots
-        h[b:size] = self.worker.states.scratch_slot
+        h[b:size] = self.parts.states.scratch_slot
         h[m : m + b] = positions
         h[m + b : m + size] = 0
         h[2 * m : 2 * m + b] = positions + 1

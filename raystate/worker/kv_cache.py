@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from raystate.config import KVCacheGroupSpec, kv_block_bytes
+from raystate.kv_layout import KVCacheGroupSpec, kv_block_bytes
 
 
 def allocate_kv_caches(

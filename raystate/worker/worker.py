@@ -20,12 +20,12 @@ from raystate.config import EngineConfig
 from raystate.errors import InvalidRequest
 from raystate.messages import FAILED_ROW, NewRequest, StepMessage, StepResult, bytes_to_ids, ids_to_bytes
 from raystate.model import load_model
-from raystate.state.input_batch import InputBatch
-from raystate.state.model_state import HybridModelState
-from raystate.state.requests import RequestStates
 from raystate.worker.block_table import BlockTables
-from raystate.worker.cudagraph import DecodeGraphs, ReadyEvent
+from raystate.worker.cudagraph import DecodeGraphs, DecodeStepParts, ReadyEvent
+from raystate.worker.input_batch import InputBatch
 from raystate.worker.kv_cache import allocate_kv_caches
+from raystate.worker.model_state import HybridModelState
+from raystate.worker.requests import RequestStates
 from raystate.worker.sampler import NONFINITE_LOGITS, Sampler, is_greedy
 
 # (req_id, position of the first row, logits fp32 [n, V]) for every computed token; a test hook.
@@ -74,8 +74,10 @@ class Worker:
             self.groups, self.model.config.num_layers, config.group_num_blocks, dtype, self.device
         )
         self.states = RequestStates(max_reqs, max_len, self.device)
+        # A step has at most max_num_batched_tokens tokens; a decode graph's padded batch, max_num_seqs.
+        max_tokens = max(config.scheduler.max_num_batched_tokens, max_reqs)
         self.block_tables = BlockTables(
-            len(self.groups), max_reqs, -(-max_len // block_size), block_size, self.device
+            len(self.groups), max_reqs, -(-max_len // block_size), block_size, max_tokens, self.device
         )
         self.model_state = HybridModelState(
             self.groups, self.model.token_lookback_depth, max_reqs, self.device
@@ -90,8 +92,14 @@ class Worker:
         self.last_phases: tuple[int, int, int] = (0, 0, 0)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(self)
+            self.graphs = self.new_decode_graphs()
             self.graphs.capture()
+
+    def new_decode_graphs(self) -> DecodeGraphs:
+        """Decode graphs over this worker's persistent state, not yet captured (`capture` does that; an
+        uncaptured one runs its step eagerly, which the CPU tests use)."""
+        parts = DecodeStepParts(self.model, self.kv_caches, self.states, self.block_tables, self.model_state)
+        return DecodeGraphs(parts, self.config.scheduler.max_num_seqs)
 
     # -- applying the message -------------------------------------------------------------------------
 
@@ -180,13 +188,17 @@ class Worker:
                 return self._graph_decode(step_id, rows, *decode_rows, t0)
         states.sync_num_computed()
         batch = InputBatch.build(states, rows, num_scheduled)
-        lookback = self.model_state.prepare_inputs(batch, states)
-        slot_buf = torch.empty((len(self.groups), batch.num_tokens), dtype=torch.int64, device=self.device)
-        slot_mappings = self.block_tables.slot_mappings(
-            batch.idx_mapping, batch.query_start_loc, batch.positions, slot_buf
+        model_state = self.model_state
+        lookback, meta = model_state.build_metadata(
+            states,
+            self.block_tables,
+            batch.idx_mapping,
+            batch.query_start_loc,
+            batch.seq_lens,
+            batch.positions,
+            batch.max_query_len,
+            replay_start=model_state.replay_starts(batch),
         )
-        tables = self.block_tables.batch_tables(batch.idx_mapping)
-        meta = self.model_state.prepare_attn(batch, states, tables, slot_mappings)
         if self.profile:
             t_prepared = self._phase_mark()
         hidden = self.model(batch.input_ids, batch.positions, lookback, meta, self.kv_caches)

@@ -17,6 +17,7 @@ from raystate import LLM
 def reference_kernels(monkeypatch, request):
     if "triton_kernels" not in request.keywords:
         monkeypatch.setenv("RAYSTATE_KERNELS", "reference")
+        monkeypatch.setattr("raystate.kernels._common._reference_forced", True)
 
 
 @pytest.fixture

@@ -17,10 +17,14 @@ def test_engine_on_triton_kernels_matches_reference(make_llm, monkeypatch):
     runs = []
     for mode in ("auto", "reference"):
         monkeypatch.setenv("RAYSTATE_KERNELS", mode)
+        monkeypatch.setattr(
+            "raystate.kernels._common._reference_forced", mode == "reference"
+        )  # read once per process
         llm, log = make_llm(block_size=16, max_num_batched_tokens=64)
         outs = [llm.generate(prompt_token_ids=p, sampling_params=params, use_tqdm=False)[0] for p in prompts]
         runs.append((outs, log))
     monkeypatch.setenv("RAYSTATE_KERNELS", "auto")
+    monkeypatch.setattr("raystate.kernels._common._reference_forced", False)
     if not use_triton(torch.empty(0)):
         pytest.skip("Triton runs neither on CUDA nor through the interpreter here")
     (tri_outs, tri_log), (ref_outs, ref_log) = runs

@@ -1,4 +1,4 @@
-"""SWA bounded replay end to end (SPEC sections 3 and 4) on the in-process engine."""
+"""SWA bounded replay end to end (DESIGN sections 3 and 4) on the in-process engine."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_hit_of_at_most_w_is_dropped(make_llm, prefix_len):
 def test_burst_of_hits_matches_truncated_reference(make_llm, share_replay):
     """Three requests hit one cached prefix in the same step. With shared replay the first rebuilds the
     window over [h - W, h) and the others read it (they start at h); without, each replays. Either way
-    every request's logits equal SPEC 4's truncated-replay reference, with every window slot poisoned
+    every request's logits equal DESIGN 4's truncated-replay reference, with every window slot poisoned
     before the burst, so a read of anything the step did not write shows up as NaN."""
     prefix_len = 100
     rng = np.random.default_rng(7)

@@ -1,6 +1,6 @@
 """A KV byte budget split across groups: under bounded replay the window group gets only its working set
 and the prefix-cacheable group the rest, so the same bytes keep more cached prefixes than "cache
-everything" does (SPEC section 3: window KV is never cached)."""
+everything" does (DESIGN section 3: window KV is never cached)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,9 @@ import numpy as np
 import pytest
 
 from raystate import LLM, SamplingParams
-from raystate.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    kv_block_bytes,
-    kv_cache_group_specs,
-    plan_group_blocks,
-)
+from raystate.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from raystate.errors import InvalidRequest
+from raystate.kv_layout import kv_block_bytes, kv_cache_group_specs, plan_group_blocks
 
 BENCH = ModelConfig.named("bench")
 
@@ -64,6 +57,7 @@ def test_engine_config_sizes_pools_from_the_budget():
 @pytest.fixture(autouse=True)
 def _reference_kernels(monkeypatch):
     monkeypatch.setenv("RAYSTATE_KERNELS", "reference")
+    monkeypatch.setattr("raystate.kernels._common._reference_forced", True)
 
 
 def _first_prefix_still_cached(replay: bool, budget: int, prefixes: list[list[int]]) -> int:

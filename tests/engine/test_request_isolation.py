@@ -12,7 +12,6 @@ import torch
 from raystate import LLM, SamplingParams
 from raystate.messages import NewRequest, StepMessage, ids_to_bytes
 from raystate.messages import SamplingParams as WireParams
-from raystate.worker.cudagraph import DecodeGraphs
 
 MAX_TOKENS = 10
 
@@ -67,7 +66,7 @@ def test_non_finite_logits_fail_one_request_alone(make_llm, path):
     worker = llm.engine.worker
     exact = path != "cuda_graph"
     if path == "decode_graph":
-        worker.graphs = DecodeGraphs(worker)  # never captured: replay runs the graph's step eagerly
+        worker.graphs = worker.new_decode_graphs()  # never captured: replay runs the graph's step eagerly
     if path != "eager":
         worker.logit_recorder = None  # (a recorder keeps steps off the graph path)
     prompts = _prompts(2, 6)

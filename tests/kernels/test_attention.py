@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from raystate.kernels import cdiv, paged_attention, paged_attention_ref
-from raystate.kernels.attention import AttentionLaunch, _launch_config
+from raystate.kernels.attention_launch import AttentionLaunch, launch_config, plan_launch, tile_shape
 
 FP32_TOL = 1e-5
 HALF_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -300,30 +300,23 @@ def test_compiled_bf16_long_context(window, device):
     assert_matches_reference(batch, tol=HALF_TOL[torch.bfloat16])
 
 
-# Every kernel variant the launcher can pick, on shapes small enough for the interpreter. Small BLOCK_N
-# and BLOCK_M give each tile several key blocks, so SPLIT_MASK's three loops (window edge, fully visible
-# middle, causal diagonal) all run, and many query tiles, so HEAVY_FIRST's reversed order matters.
-ALL_FLAGS = {"k_rows": True, "split_mask": True, "fold_scale": True, "heavy_first": True}
+# Both layouts at several tiles, on shapes small enough for the interpreter. Small BLOCK_N and BLOCK_M
+# give each tile several key blocks, so the tile layout's three loops (window edge, fully visible middle,
+# causal diagonal) all run, and many query tiles, so its reversed (heaviest first) order matters.
 VARIANTS = {
-    "k_rows": AttentionLaunch(k_rows=True),
-    "split_mask_n16": AttentionLaunch(block_n=16, split_mask=True),
-    "fold_scale": AttentionLaunch(fold_scale=True),
-    "heavy_first": AttentionLaunch(heavy_first=True),
-    "loop_stages": AttentionLaunch(loop_stages=3),
-    "all_m16_n16": AttentionLaunch(block_m=16, block_n=16, **ALL_FLAGS),
-    "all_m128_n32_loop3_edge1": AttentionLaunch(
-        block_m=128, block_n=32, num_warps=8, num_stages=3, loop_stages=3, edge_stages=1, **ALL_FLAGS
-    ),
-    "all_m64_n128": AttentionLaunch(block_n=128, num_stages=4, **ALL_FLAGS),
+    "tiles": AttentionLaunch(),
+    "tiles_m16_n16": AttentionLaunch(block_m=16, block_n=16),
+    "tiles_m128_n32": AttentionLaunch(block_m=128, block_n=32, num_warps=8, num_stages=3),
+    "tiles_m64_n128": AttentionLaunch(block_n=128, num_stages=4),
     # One program per row looping over its query tiles (the decode layout), forced on mixed batches too.
-    "row_programs": AttentionLaunch(row_programs=True),
-    "row_programs_m16_n128": AttentionLaunch(block_m=16, block_n=128, row_programs=True),
+    "rows": AttentionLaunch(row_programs=True),
+    "rows_m16_n128": AttentionLaunch(block_m=16, block_n=128, row_programs=True),
 }
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 class TestVariants:
-    """Each variant against the reference: the flags may only change speed."""
+    """Each variant against the reference: layout and tile may only change speed."""
 
     @pytest.mark.parametrize("seed", [0, 11])
     def test_random_mixed_batches(self, variant, seed, device):
@@ -376,10 +369,10 @@ class TestVariants:
 
 
 def test_launch_config_defaults_and_overrides():
-    """No override: the swept prefill tile (128 x 128, 8 warps, 3 stages, all speed flags); decode shrinks
-    to 16 plain rows. An override keeps its knobs, is still shrunk for short queries, and gets 8 warps for
-    128 rows when it names none."""
-    block_q, launch = _launch_config(4, None, None)
+    """No override: the swept prefill tile (tile layout, 128 x 128, 8 warps, 3 stages); decode shrinks to
+    16 score rows in the row layout. An override keeps its knobs, is still shrunk for short queries, and
+    gets 8 warps for 128 rows when it names none."""
+    block_q, launch = launch_config(4, None, None)
     assert (block_q, launch.block_m, launch.block_n, launch.num_warps, launch.num_stages) == (
         32,
         128,
@@ -387,20 +380,19 @@ def test_launch_config_defaults_and_overrides():
         8,
         3,
     )
-    assert launch.k_rows and launch.split_mask and launch.fold_scale and launch.heavy_first
-    block_q, launch = _launch_config(4, 1, None)
+    assert not launch.row_programs
+    block_q, launch = launch_config(4, 1, None)
     assert (block_q, launch.block_m, launch.block_n, launch.num_warps) == (4, 16, 128, 4)
-    assert not (launch.k_rows or launch.split_mask or launch.fold_scale or launch.heavy_first)
     assert launch.row_programs  # one tile holds each decode row: one program per row
     # A short window takes 64-key steps; a longer one the full-attention tile; so do more than two
     # waves of (row, kv head) programs.
-    assert _launch_config(4, 1, None, sliding_window=128)[1].block_n == 64
-    assert _launch_config(4, 1, None, sliding_window=1024)[1].block_n == 128
-    assert _launch_config(4, 1, None, decode_waves=1.9)[1].block_n == 128
-    assert _launch_config(4, 1, None, decode_waves=3.9)[1].block_n == 64
+    assert launch_config(4, 1, None, sliding_window=128)[1].block_n == 64
+    assert launch_config(4, 1, None, sliding_window=1024)[1].block_n == 128
+    assert launch_config(4, 1, None, decode_waves=1.9)[1].block_n == 128
+    assert launch_config(4, 1, None, decode_waves=3.9)[1].block_n == 64
 
-    big = AttentionLaunch(block_m=128, block_n=128, num_stages=3, split_mask=True)
-    block_q, launch = _launch_config(4, 4096, big)
+    big = AttentionLaunch(block_m=128, block_n=128, num_stages=3)
+    block_q, launch = launch_config(4, 4096, big)
     assert (block_q, launch.block_m, launch.block_n, launch.num_warps, launch.num_stages) == (
         32,
         128,
@@ -408,20 +400,42 @@ def test_launch_config_defaults_and_overrides():
         8,
         3,
     )
-    assert launch.split_mask
-    block_q, launch = _launch_config(4, 1, big)
-    assert (block_q, launch.block_m, launch.block_n) == (4, 16, 128)
+    block_q, launch = launch_config(4, 1, big)
+    assert (block_q, launch.block_m, launch.block_n, launch.row_programs) == (4, 16, 128, False)
+
+
+@pytest.mark.parametrize("group", range(1, 9))
+def test_shrunk_tiles_hold_the_longest_row(group):
+    """The default picks the row layout only for tiles that max_query_len shrinks; such a tile always
+    holds max_query_len queries, so one program per row covers the row in one tile."""
+    for max_query_len in range(1, 130):
+        block_q, launch = launch_config(group, max_query_len, None)
+        assert launch.row_programs == (launch.block_m < 128)
+        assert block_q == tile_shape(group, max_query_len, launch.block_m)[0]
+        if launch.row_programs:
+            assert max_query_len <= block_q
+
+
+def test_plan_launch_grids():
+    """Tile layout: one axis of (T // BLOCK_Q + B) tile ids times the kv heads; row layout: (B, H_kv)."""
+    cpu = torch.device("cpu")
+    prefill = plan_launch(1000, 3, 2, 4, 256, cpu, None, 0, None)
+    assert prefill.grid == ((1000 // 32 + 3) * 2,) and prefill.tile == (32, 128, 128, False)
+    assert (prefill.num_warps, prefill.num_stages) == (8, 3)
+    decode = plan_launch(64, 64, 2, 4, 256, cpu, 1, 0, None)
+    assert decode.grid == (64, 2) and decode.tile == (4, 16, 128, True)
+    assert (decode.num_warps, decode.num_stages) == (4, 2)
 
 
 def test_default_launch_fits_shared_memory():
     """The defaults are sized for bf16 keys; fp32 keys of D = 128 need 262656 bytes at 3 stages and
     262144 at 2 (more than an H200's 232448), so the launcher drops a stage, then halves the key step."""
     limit = 232448 - 8192
-    _, bf16 = _launch_config(4, None, None, 0, 128 * 2, limit)
+    _, bf16 = launch_config(4, None, None, 0, 128 * 2, limit)
     assert (bf16.block_n, bf16.num_stages) == (128, 3)
-    _, fp32 = _launch_config(4, None, None, 0, 128 * 4, limit)
+    _, fp32 = launch_config(4, None, None, 0, 128 * 4, limit)
     assert (fp32.block_n, fp32.num_stages) == (64, 2)
-    _, small = _launch_config(4, 1, None, 0, 128 * 4, 64 * 1024)  # a GPU with 64 KiB per program
+    _, small = launch_config(4, 1, None, 0, 128 * 4, 64 * 1024)  # a GPU with 64 KiB per program
     assert small.block_n == 32 and small.num_stages == 2
     explicit = AttentionLaunch(block_n=128, num_stages=4)
-    assert _launch_config(4, None, explicit, 0, 128 * 4, limit)[1].num_stages == 4  # taken as given
+    assert launch_config(4, None, explicit, 0, 128 * 4, limit)[1].num_stages == 4  # taken as given

@@ -1,35 +1,45 @@
-"""use_triton reads RAYSTATE_KERNELS live (through os.environ's own store), whichever way it is set."""
+"""use_triton reads RAYSTATE_KERNELS once (at import, or on an explicit refresh), never per launch."""
 
 import os
-from unittest import mock
+import subprocess
+import sys
 
 import torch
 
 from raystate.kernels import use_triton
-from raystate.kernels._common import interpreting, reference_forced
+from raystate.kernels._common import interpreting, reference_forced, refresh_reference_switch
 
 
-def test_reference_switch_follows_every_way_of_setting_it(monkeypatch):
+def test_the_switch_is_read_at_import():
+    code = "from raystate.kernels._common import reference_forced; print(reference_forced())"
+    for value, forced in (("reference", "True"), ("auto", "False"), (None, "False")):
+        env = {k: v for k, v in os.environ.items() if k != "RAYSTATE_KERNELS"}
+        if value is not None:
+            env["RAYSTATE_KERNELS"] = value
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == forced, value
+
+
+def test_a_later_write_counts_only_after_a_refresh(monkeypatch):
     probe = torch.empty(0)
     monkeypatch.delenv("RAYSTATE_KERNELS", raising=False)
-    assert not reference_forced()
-    monkeypatch.setenv("RAYSTATE_KERNELS", "reference")
+    try:
+        assert not refresh_reference_switch() and not reference_forced()
+        assert use_triton(probe) == (probe.is_cuda or interpreting())
+        monkeypatch.setenv("RAYSTATE_KERNELS", "reference")
+        assert not reference_forced()  # no os.environ read per launch
+        assert refresh_reference_switch() and reference_forced() and not use_triton(probe, probe)
+        monkeypatch.setenv("RAYSTATE_KERNELS", "auto")
+        assert not refresh_reference_switch() and use_triton(probe) == (probe.is_cuda or interpreting())
+    finally:
+        monkeypatch.undo()
+        refresh_reference_switch()
+
+
+def test_tests_set_the_switch_through_monkeypatch(monkeypatch):
+    """What the suite's fixtures do (with the variable set too, for the processes they start)."""
+    probe = torch.empty(0)
+    monkeypatch.setattr("raystate.kernels._common._reference_forced", True)
     assert reference_forced() and not use_triton(probe)
-    monkeypatch.setenv("RAYSTATE_KERNELS", "auto")
-    assert not reference_forced()
-    assert use_triton(probe) == (probe.is_cuda or interpreting())
-    os.environ.update(RAYSTATE_KERNELS="reference")
-    assert reference_forced()
-    del os.environ["RAYSTATE_KERNELS"]
-    assert not reference_forced()
-    with mock.patch.dict(os.environ, {"RAYSTATE_KERNELS": "reference"}):
-        assert not use_triton(probe, probe)
-    assert not reference_forced()
-
-
-def test_reference_switch_without_cpythons_environ_store(monkeypatch):
-    """A plain mapping in place of os.environ (no `_data`) takes the public lookup."""
-    monkeypatch.setattr(os, "environ", {"RAYSTATE_KERNELS": "reference"})
-    assert reference_forced()
-    monkeypatch.setattr(os, "environ", {})
-    assert not reference_forced()

@@ -1,4 +1,4 @@
-"""engram_hash (SPEC sections 1 and 2) against the literal scalar oracle and the vectorised reference."""
+"""engram_hash (DESIGN sections 1 and 2) against the literal scalar oracle and the vectorised reference."""
 
 import numpy as np
 import pytest
@@ -17,7 +17,7 @@ def _primes_from(start: int, count: int) -> list[int]:
 
 
 class Params:
-    """One engram layer's hash tables built the way SPEC section 2 says (CPU tensors)."""
+    """One engram layer's hash tables built the way DESIGN section 2 says (CPU tensors)."""
 
     def __init__(self, layer_id: int, order: int, heads: int, vocab: int, compressed: int, seed: int):
         bound = max(1, (2**63 - 1) // compressed // 2)
@@ -35,15 +35,7 @@ class Params:
         return tuple(copy(t) for t in (self.compress, self.multipliers, self.primes, self.offsets))
 
     def scalar(self, ids: list[int], lookback: list[int]) -> list[list[int]]:
-        return engram_hash_scalar(
-            ids,
-            lookback,
-            self.compress.tolist(),
-            self.multipliers.tolist(),
-            self.primes.tolist(),
-            self.offsets.tolist(),
-            self.pad_id,
-        )
+        return engram_hash_scalar(ids, lookback, *self.tables(lambda t: t.tolist()), self.pad_id)
 
 
 def _hash_on(on_device, params: Params, input_ids, qsl, lookback) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""gather_lookback (SPEC section 1) against its reference and a literal per-element loop."""
+"""gather_lookback (DESIGN section 1) against its reference and a literal per-element loop."""
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ def _history(gen: torch.Generator, num_slots: int, length: int, extra_cols: int)
 
 
 def _literal(idx_mapping, num_computed, history, num_reqs, num_rows, depth) -> list[list[int]]:
-    """SPEC section 1 word for word, one element at a time."""
+    """DESIGN section 1 word for word, one element at a time."""
     rows = [[-1] * depth for _ in range(num_rows)]
     for b in range(num_reqs):
         slot = int(idx_mapping[b])

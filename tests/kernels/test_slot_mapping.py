@@ -1,4 +1,4 @@
-"""compute_slot_mappings and pad_replayed_slots (SPEC section 4) against their references and by hand."""
+"""compute_slot_mappings and pad_replayed_slots (DESIGN section 4) against their references and by hand."""
 
 import numpy as np
 import pytest
@@ -90,28 +90,11 @@ def test_straddling_replay_ranges(on_device):
 
 def test_empty_batch_and_no_cacheable_group_change_nothing(on_device):
     slot_mappings = torch.arange(2 * 8, dtype=torch.int64).view(2, 8)
-    qsl, positions = _batch([])
-    got, _ = _run_both(
-        on_device,
-        slot_mappings,
-        torch.tensor([0], dtype=torch.int32),
-        qsl,
-        positions,
-        torch.zeros(0, dtype=torch.int32),
-        4,
-    )
+    group_0, no_group = torch.tensor([0], dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    no_rows, one_replaying_row = torch.zeros(0, dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    got, _ = _run_both(on_device, slot_mappings, group_0, *_batch([]), no_rows, 4)
     assert torch.equal(got, slot_mappings)
-
-    qsl, positions = _batch([(3, 5)])
-    got, _ = _run_both(
-        on_device,
-        slot_mappings,
-        torch.zeros(0, dtype=torch.int32),
-        qsl,
-        positions,
-        torch.tensor([2], dtype=torch.int32),
-        4,
-    )
+    got, _ = _run_both(on_device, slot_mappings, no_group, *_batch([(3, 5)]), one_replaying_row, 4)
     assert torch.equal(got, slot_mappings)
 
 
@@ -119,15 +102,8 @@ def test_rows_without_replay_are_untouched(on_device):
     # Positions inside [0, P) of a row with rs = 0 must keep their slots (0 means "no replay").
     qsl, positions = _batch([(0, 6), (2, 4)])
     slot_mappings = torch.arange(12, dtype=torch.int64).view(1, 12)
-    got, expected = _run_both(
-        on_device,
-        slot_mappings,
-        torch.tensor([0], dtype=torch.int32),
-        qsl,
-        positions,
-        torch.zeros(2, dtype=torch.int32),
-        16,
-    )
+    group_0, no_replay = torch.tensor([0], dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    got, expected = _run_both(on_device, slot_mappings, group_0, qsl, positions, no_replay, 16)
     assert torch.equal(got, slot_mappings)
     assert torch.equal(expected, slot_mappings)
 
@@ -293,6 +269,7 @@ def test_every_form_of_cacheable_groups_pads_the_same(on_device, name, monkeypat
     assert torch.equal(ref, expected)
 
     monkeypatch.setenv("RAYSTATE_KERNELS", "reference")
+    monkeypatch.setattr("raystate.kernels._common._reference_forced", True)
     forced = slot_mappings.clone()
     pad_replayed_slots(forced, form, *args, window)
     assert torch.equal(forced, expected)
@@ -331,6 +308,7 @@ def test_bad_cacheable_groups_are_rejected_on_every_path(on_device, form, error,
     with pytest.raises(error, match=f"cacheable_groups.*{match}"):
         pad_replayed_slots_ref(ref, form, *args, window)
     monkeypatch.setenv("RAYSTATE_KERNELS", "reference")
+    monkeypatch.setattr("raystate.kernels._common._reference_forced", True)
     with pytest.raises(error, match=f"cacheable_groups.*{match}"):
         pad_replayed_slots(ref, form, *args, window)
     assert torch.equal(ref, slot_mappings)

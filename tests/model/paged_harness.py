@@ -3,7 +3,7 @@
 It plays the worker's part with the least machinery, so that `TinyHybrid.forward` can be driven over any
 chunking, batch composition and block layout, and checked against the dense oracles. Block ids come from
 a shuffled free list (never contiguous, never in order); block 0 is the null block. A request may start
-from a prefix hit with SWA bounded replay (SPEC sections 3 and 4): it shares the cold request's full-group
+from a prefix hit with SWA bounded replay (DESIGN sections 3 and 4): it shares the cold request's full-group
 blocks, gets null window blocks below its replay start, has its replayed slots padded in the full group
 and a key floor in the sliding group.
 """
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raystate.config import KVCacheGroupSpec, replay_tokens
 from raystate.kernels import PAD_SLOT_ID, gather_lookback
+from raystate.kv_layout import KVCacheGroupSpec, replay_tokens
 from raystate.model import ForwardMetadata, GroupMetadata, TinyHybrid
 
 
@@ -70,7 +70,7 @@ class PagedHarness:
         """Registers a request in state slot `slot`; returns its first position to compute.
 
         With `hit_from` (the slot of a cold request sharing the first `hit_tokens` ids, whole blocks), the
-        request starts from that prefix hit the way SPEC section 3 admits it with bounded replay on.
+        request starts from that prefix hit the way DESIGN section 3 admits it with bounded replay on.
         """
         req = _Request(slot, len(token_ids), blocks={g.name: [] for g in self.groups})
         self.all_token_ids[slot, : len(token_ids)] = torch.tensor(token_ids, dtype=torch.int32)

@@ -1,4 +1,4 @@
-"""Engram hash constants follow SPEC section 2; the model's hash equals the scalar oracle on any chunking."""
+"""Engram hash constants follow DESIGN section 2; the model's hash equals the scalar oracle, any chunking."""
 
 import random
 

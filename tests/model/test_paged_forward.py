@@ -50,12 +50,14 @@ def test_paged_forward_matches_dense_on_default_kernels(tiny_model):
 @pytest.mark.parametrize("seed", [2, 3])
 def test_paged_forward_matches_dense_any_chunking(tiny_model, monkeypatch, block_size, seed):
     monkeypatch.setenv("RAYSTATE_KERNELS", "reference")
+    monkeypatch.setattr("raystate.kernels._common._reference_forced", True)
     check_paged_equals_dense(tiny_model, block_size, lengths=[90, 1, 37, 66], max_chunk=20, seed=seed)
 
 
 def test_decode_steps_match_dense(tiny_model, monkeypatch):
     """A prefill chunk then one token per step, the way generation runs, batched with another request."""
     monkeypatch.setenv("RAYSTATE_KERNELS", "reference")
+    monkeypatch.setattr("raystate.kernels._common._reference_forced", True)
     rng = random.Random(4)
     a, b = make_sequence(rng, 50), make_sequence(rng, 45)
     harness = PagedHarness(tiny_model, 16, num_blocks=16, max_reqs=2, max_len=50, seed=4)
@@ -75,6 +77,7 @@ def test_engram_lookback_is_exercised(tiny_model, monkeypatch):
     """Negative control: with the lookback all -1, logits change at a later chunk's start but not in the
     first chunk (whose true lookback is all -1 anyway). So the paged test above really checks it."""
     monkeypatch.setenv("RAYSTATE_KERNELS", "reference")
+    monkeypatch.setattr("raystate.kernels._common._reference_forced", True)
     rng = random.Random(5)
     ids = make_sequence(rng, 30)
     want = dense_forward(tiny_model, ids)

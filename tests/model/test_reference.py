@@ -55,10 +55,13 @@ def test_replay_reference_rejects_bad_arguments(tiny_model):
 def test_paged_prefix_hit_with_bounded_replay_equals_replay_reference(
     tiny_model, monkeypatch, block_size, hit_tokens, kernels
 ):
-    """SPEC section 4 end to end at the model level: a cold request fills the full group's blocks; a second
+    """DESIGN section 4 end to end at the model level: a cold request fills the full group's blocks; a second
     request shares its first hit_tokens blocks, replays from hit - W with padded full-group slots and a
     sliding key floor, batched with a cold request (replay start 0) in the same steps."""
     monkeypatch.setenv("RAYSTATE_KERNELS", kernels)
+    monkeypatch.setattr(
+        "raystate.kernels._common._reference_forced", kernels == "reference"
+    )  # read once per process
     rng = random.Random(block_size)
     cold_ids = make_sequence(rng, 56)
     hit_ids = cold_ids[:hit_tokens] + make_sequence(rng, 72 - hit_tokens + 1)[1:]

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from raystate.config import ModelConfig, kv_cache_group_specs
+from raystate.config import ModelConfig
 from raystate.errors import InvalidRequest
+from raystate.kv_layout import kv_cache_group_specs
 from raystate.model import TinyHybrid, dense_forward, load_model, save_pretrained
 
 IDS = [256, *b"Round trip, round TRIP."]

@@ -14,6 +14,7 @@ def reference_kernels(monkeypatch):
     """In-process runs (the expected outputs) use the kernels' PyTorch references, like the worker actors
     (ray_harness.WORKER_ENV): under Triton's CPU interpreter a step takes seconds."""
     monkeypatch.setenv("RAYSTATE_KERNELS", "reference")
+    monkeypatch.setattr("raystate.kernels._common._reference_forced", True)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ PROMPTS = distinct_prompts(seed=11, num=16)
 def fault_free():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAYSTATE_KERNELS", "reference")
+        mp.setattr("raystate.kernels._common._reference_forced", True)
         (outs,) = inprocess_outputs([PROMPTS], MAX_TOKENS, swa_bounded_replay=False)
     return [o.token_ids for o in outs]
 

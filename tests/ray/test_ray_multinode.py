@@ -14,6 +14,8 @@ from ray_harness import WORKER_ENV, distinct_prompts, engine_config, inprocess_o
 
 from raystate.cluster import Cluster
 
+pytestmark = pytest.mark.slow  # starts its own multi-node local Ray cluster
+
 MAX_TOKENS = 16
 PROMPTS = distinct_prompts(seed=21, num=8)
 NAME = "test-multinode"

@@ -1,4 +1,5 @@
-"""Test helpers for the scheduler: small configs, a fake worker that checks block usage, a step driver.
+"""Test helpers for the scheduler: small configs, a fake worker that checks block usage, stepping through
+the real step loop (`StepDriver` over `LocalDispatch`).
 
 `FakeWorker` plays a worker shard at the level of block tables: it keeps each request's token history
 and per-group block table from the messages, writes a "KV" entry per computed token into a simulated
@@ -11,21 +12,27 @@ script per request), so a run can be compared with `reference_output`.
 
 from __future__ import annotations
 
+import array
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from raystate.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, replay_tokens
+from raystate.config import EngineConfig, ModelConfig
+from raystate.engine_args import EngineArgs, ResolvedModel, build_engine_config
+from raystate.kv_layout import replay_tokens
 from raystate.messages import (
     SamplingParams,
     StepMessage,
     StepResult,
     bytes_to_ids,
-    decode_result,
     decode_step,
     encode,
     ids_to_bytes,
 )
 from raystate.scheduler import RequestUpdate, Scheduler
+from raystate.scheduler.dispatch import LocalDispatch
+from raystate.scheduler.driver import Step, StepDriver
+from raystate.scheduler.kv_manager import KVManager
+from raystate.scheduler.request import Request
 
 
 def make_config(
@@ -42,26 +49,36 @@ def make_config(
     max_model_len: int = 256,
     layer_types: tuple[str, ...] = ("sliding", "full", "sliding", "full"),
 ) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(
-            layer_types=layer_types,
-            sliding_window=window,
-            max_model_len=max_model_len,
-            engram_layer_ids=tuple(i for i in (1, 2) if i < len(layer_types)),
-        ),
-        cache=CacheConfig(
-            block_size=block_size,
-            num_blocks=num_blocks,
-            enable_prefix_caching=caching,
-            swa_bounded_replay=bounded_replay,
-            share_replay=share_replay,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_batched,
-            long_prefill_token_threshold=threshold,
-        ),
+    model = ModelConfig(
+        layer_types=layer_types,
+        sliding_window=window,
+        max_model_len=max_model_len,
+        engram_layer_ids=tuple(i for i in (1, 2) if i < len(layer_types)),
     )
+    args = EngineArgs(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        enable_prefix_caching=caching,
+        swa_bounded_replay=bounded_replay,
+        share_replay=share_replay,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_batched,
+        long_prefill_token_threshold=threshold,
+    )
+    return build_engine_config(args, ResolvedModel(model))
+
+
+def one_shard(**config_kw) -> tuple[Scheduler, FakeWorker]:
+    """A one-shard scheduler on `make_config(**config_kw)` and its checking fake worker."""
+    config = make_config(**config_kw)
+    return Scheduler(config), FakeWorker(config)
+
+
+def make_req(kv: KVManager, req_id: str, tokens: list[int]) -> Request:
+    """A request on its own, its prompt's full blocks hashed, for tests of one shard's KVManager."""
+    req = Request(req_id, array.array("i", tokens), SamplingParams(max_tokens=4), 0, eos_token_id=257)
+    kv.hash_blocks(req, len(tokens) // kv.block_size)
+    return req
 
 
 def group_index(config: EngineConfig, name: str) -> int:
@@ -118,6 +135,13 @@ class FakeWorker:
         self.reqs: dict[str, _FakeState] = {}
         self.scripts = scripts or {}
         self.log: list[tuple[str, int, int, int]] = []  # (req_id, chunk start, num_scheduled, row rs)
+
+    def launch(self, msg: StepMessage) -> StepResult:
+        """`LocalDispatch`'s call: the fake computes at once, so its handle is the answer."""
+        return self.execute(msg)
+
+    def finish(self, result: StepResult) -> StepResult:
+        return result
 
     def execute(self, msg: StepMessage) -> StepResult:
         for req_id in (*msg.finished_ids, *msg.preempted_ids):
@@ -196,24 +220,33 @@ class RunLog:
     updates: list[RequestUpdate]
 
 
-def step(sched: Scheduler, workers: list[FakeWorker], log: RunLog | None = None) -> dict[int, StepMessage]:
-    """One schedule -> execute -> update round; every message and result goes through msgspec."""
-    msgs = sched.schedule()
-    for shard, msg in msgs.items():
-        wire = decode_step(encode(msg))
-        assert wire == msg, "StepMessage does not survive a msgspec round trip"
-        result = decode_result(encode(workers[shard].execute(wire)))
-        updates = sched.update(shard, result)
+def driver(sched: Scheduler, workers: list[FakeWorker], lookahead: bool = False) -> StepDriver:
+    """The real step loop over the fake workers (every message and result goes through msgspec)."""
+    return StepDriver(sched, LocalDispatch(dict(enumerate(workers))), lookahead=lookahead)
+
+
+def record(done: Step, sched: Scheduler, workers: list[FakeWorker], log: RunLog | None) -> None:
+    """After a pass: wipes the freed blocks' KV on the shards that answered, and logs the pass."""
+    for shard in done.results:
         workers[shard].poison_free_blocks(sched, shard)
-        for upd in updates:
-            if log is not None:
-                log.outputs[upd.req_id].extend(upd.new_token_ids)
-                log.updates.append(upd)
-                if upd.finished:
-                    log.finals[upd.req_id] = upd
-    if log is not None:
-        log.messages.append(msgs)
-    return msgs
+    if log is None:
+        return
+    for upd in done.updates:
+        log.outputs[upd.req_id].extend(upd.new_token_ids)
+        log.updates.append(upd)
+        if upd.finished:
+            assert upd.req_id not in log.finals, f"{upd.req_id} finished twice"
+            log.finals[upd.req_id] = upd
+    log.messages.append(done.messages)
+
+
+def step(sched: Scheduler, workers: list[FakeWorker], log: RunLog | None = None) -> dict[int, StepMessage]:
+    """One schedule -> dispatch -> collect -> update pass; returns the messages sent."""
+    one = driver(sched, workers).step()
+    for msg in one.messages.values():
+        assert decode_step(encode(msg)) == msg, "StepMessage does not survive a msgspec round trip"
+    record(one, sched, workers, log)
+    return one.messages
 
 
 def new_log() -> RunLog:

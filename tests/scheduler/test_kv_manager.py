@@ -1,10 +1,7 @@
-"""KVManager: SPEC section 3 on one shard's pools (hits, replay, null/fresh window blocks, SWA release)."""
+"""KVManager: DESIGN section 3 on one shard's pools (hits, replay, null/fresh window blocks, SWA release)."""
 
-import array
+from sched_harness import make_config, make_req
 
-from sched_harness import make_config
-
-from raystate.messages import SamplingParams
 from raystate.scheduler.kv_manager import KVManager
 from raystate.scheduler.request import Request
 
@@ -18,12 +15,6 @@ def make_kv(**kw) -> tuple[KVManager, int, int]:
     return kv, names.index("full"), (names.index("sliding") if "sliding" in names else -1)
 
 
-def make_req(kv: KVManager, req_id: str, tokens: list[int]) -> Request:
-    req = Request(req_id, array.array("i", tokens), SamplingParams(max_tokens=4), 0, eos_token_id=257)
-    kv.hash_blocks(req, len(tokens) // kv.block_size)
-    return req
-
-
 def compute(kv: KVManager, req: Request, n: int) -> None:
     """What the scheduler does around one step: blocks for the chunk, then the chunk is computed."""
     assert kv.allocate(req, n)
@@ -34,7 +25,7 @@ def compute(kv: KVManager, req: Request, n: int) -> None:
 
 def run_cold(kv: KVManager, req_id: str, tokens: list[int]) -> Request:
     req = make_req(kv, req_id, tokens)
-    assert kv.admit(req).hit_tokens == 0
+    assert kv.admit_chunk(req, len(tokens)) == len(tokens) and req.num_cached_tokens == 0
     compute(kv, req, len(tokens))
     return req
 
@@ -60,19 +51,17 @@ def test_hit_longer_than_window_replays_and_shares_every_hit_block():
     a = run_cold(kv, "a", PREFIX)
     a_full = list(a.block_ids[full])
     b = make_req(kv, "b", PREFIX + [1, 2, 3, 4, 5])
-    plan = kv.admit(b)
-    assert plan.hit_tokens == 20 and b.num_cached_tokens == 20
-    assert b.replay_start == b.num_computed == 20 - W
+    assert kv.plan(b).hit_tokens == 20
+    # A first chunk ending inside [replay_start, h) = [12, 20): no new full block, a fresh window block.
+    in_use = kv.pools[full].num_in_use
+    assert kv.admit_chunk(b, 4) == 4
+    assert b.num_cached_tokens == 20 and b.replay_start == b.num_computed == 20 - W
     assert b.block_ids[full] == a_full  # replayed blocks 3-4 stay shared too
     assert all(kv.pools[full].ref_cnt[blk] == 2 for blk in a_full)
-    assert b.block_ids[sliding] == [0, 0, 0]  # null below replay_start (12 = 3 blocks)
-
-    # A chunk ending inside [replay_start, h) = [12, 20): no new full block, a fresh window block.
-    in_use = kv.pools[full].num_in_use
-    assert kv.allocate(b, 4)
     assert kv.pools[full].num_in_use == in_use
-    assert b.new_block_ids[full] == [] and len(b.new_block_ids[sliding]) == 1
-    assert b.block_ids[sliding][3] != 0
+    assert b.block_ids[sliding][:3] == [0, 0, 0]  # null below replay_start (12 = 3 blocks)
+    assert len(b.block_ids[sliding]) == 4 and b.block_ids[sliding][3] != 0
+    assert b.new_block_ids is None  # the NewRequest carries the whole lists
     b.num_computed += 4
     kv.advance(b)
     assert b.num_computed == 16 and b.num_registered == 5
@@ -81,9 +70,8 @@ def test_hit_longer_than_window_replays_and_shares_every_hit_block():
     assert kv.allocate(b, 9)
     assert b.block_ids[full][:5] == a_full and len(b.block_ids[full]) == 7
     assert len(b.block_ids[sliding]) == 7
-    new = kv.take_new_block_ids(b)  # everything allocated since admission, not yet sent
-    assert new[full] == b.block_ids[full][5:] and new[sliding] == b.block_ids[sliding][3:]
-    assert b.new_block_ids is None
+    new = b.new_block_ids  # everything allocated since admission: the next RunningDelta's
+    assert new[full] == b.block_ids[full][5:] and new[sliding] == b.block_ids[sliding][4:]
 
     kv.free(a)
     assert all(kv.pools[full].ref_cnt[blk] == 1 for blk in a_full)
@@ -96,10 +84,11 @@ def test_hit_of_exactly_the_window_is_dropped():
     kv.free(run_cold(kv, "a", PREFIX[:8] + [7, 7, 7]))  # caches 2 blocks = 8 tokens = W
     b = make_req(kv, "b", PREFIX[:8] + [9, 9, 9, 9, 9])
     assert kv.lookup(b) == 2
-    plan = kv.admit(b)
-    assert plan.hit_tokens == 0 and b.num_computed == 0 and b.replay_start == 0 and b.num_cached_tokens == 0
-    assert b.block_ids == [[], []]
-    assert kv.pools[full].num_in_use == 0  # nothing shared
+    assert kv.plan(b).hit_tokens == 0
+    assert kv.admit_chunk(b, 1) == 1
+    assert b.num_computed == 0 and b.replay_start == 0 and b.num_cached_tokens == 0
+    assert [len(ids) for ids in b.block_ids] == [1, 1]
+    assert kv.pools[full].num_in_use == 1 and kv.pools[full].num_evictable == 2  # nothing shared
 
 
 def test_hit_shorter_than_the_window_is_dropped():
@@ -107,7 +96,7 @@ def test_hit_shorter_than_the_window_is_dropped():
     kv.free(run_cold(kv, "a", PREFIX[:4] + [7, 7, 7]))
     b = make_req(kv, "b", PREFIX[:4] + [9, 9, 9, 9, 9])
     assert kv.lookup(b) == 1
-    assert kv.admit(b).hit_tokens == 0 and b.num_computed == 0
+    assert kv.admit_chunk(b, 1) and b.num_cached_tokens == 0 and b.num_computed == 0
 
 
 def test_full_prompt_hit_still_computes_the_last_token():
@@ -116,21 +105,22 @@ def test_full_prompt_hit_still_computes_the_last_token():
     run_cold(kv, "a", prompt + [5])
     b = make_req(kv, "b", prompt)
     assert kv.lookup(b) == 3  # capped below the prompt length
-    kv.admit(b)
+    assert kv.admit_chunk(b, 1)
     assert b.num_cached_tokens == 12 and b.num_computed == b.replay_start == 12 - W
 
     kv0, full0, _ = make_kv(layer_types=("full", "full"))  # P = 0: plain prefix hit
-    run_cold(kv0, "a", prompt + [5])
+    a0 = run_cold(kv0, "a", prompt + [5])
     c = make_req(kv0, "c", prompt)
-    kv0.admit(c)
+    assert kv0.admit_chunk(c, 4) == 4
     assert c.num_computed == 12 and c.replay_start == 0
-    assert kv0.allocate(c, 4) and c.new_block_ids == [[c.block_ids[full0][3]]]
+    assert c.block_ids[full0][:3] == a0.block_ids[full0][:3]
+    assert len(c.block_ids[full0]) == 4 and c.block_ids[full0][3] not in a0.block_ids[full0]
 
 
 def test_window_blocks_are_released_as_the_request_advances():
     kv, full, sliding = make_kv()
     req = make_req(kv, "a", list(range(60)))
-    kv.admit(req)
+    assert kv.admit_chunk(req, 1)
     for _ in range(60):
         compute(kv, req, 1)
         floor = (req.num_computed - W + 1) // BS
@@ -148,9 +138,9 @@ def test_bounded_replay_off_caches_window_blocks_and_releases_none():
     a = run_cold(kv, "a", PREFIX)
     assert all(a.block_ids[sliding]) and kv.pools[sliding].num_in_use == 5
     b = make_req(kv, "b", PREFIX + [1, 2])
-    plan = kv.admit(b)
-    assert plan.hit_tokens == 20 and b.num_computed == 20 and b.replay_start == 0
-    assert b.block_ids[sliding] == a.block_ids[sliding] and b.block_ids[full] == a.block_ids[full]
+    assert kv.admit_chunk(b, 1)
+    assert b.num_cached_tokens == 20 and b.num_computed == 20 and b.replay_start == 0
+    assert b.block_ids[sliding][:5] == a.block_ids[sliding] and b.block_ids[full][:5] == a.block_ids[full]
     assert all(kv.pools[sliding].ref_cnt[blk] == 2 for blk in a.block_ids[sliding])
     kv.free(a)
     kv.free(b)
@@ -169,7 +159,7 @@ def test_prefix_caching_off_has_no_hits():
     a = run_cold(kv, "a", PREFIX)
     assert a.block_hashes == [] and kv.indices == [None, None]
     b = make_req(kv, "b", PREFIX + [1])
-    assert kv.lookup(b) == 0 and kv.admit(b).hit_tokens == 0 and b.num_computed == 0
+    assert kv.lookup(b) == 0 and kv.admit_chunk(b, 1) and b.num_cached_tokens == 0 and b.num_computed == 0
     kv.free(a)
     assert kv.pools[full].num_evictable == 0
 
@@ -177,10 +167,14 @@ def test_prefix_caching_off_has_no_hits():
 def test_failed_allocation_takes_nothing():
     kv, full, sliding = make_kv(num_blocks=6)  # 5 usable blocks per group
     a = make_req(kv, "a", list(range(40)))
-    kv.admit(a)
     before = kv.num_available()
-    assert not kv.allocate(a, 24)  # 6 blocks
-    assert kv.num_available() == before and a.block_ids == [[], []] and a.new_block_ids is None
+    assert kv.admit_chunk(a, 24) == 0  # 6 blocks: the admission is taken back
+    assert kv.num_available() == before and a.block_ids == [] and a.num_computed == 0
+    assert kv.admit_chunk(a, 4) == 4
+    before = kv.num_available()
+    assert not kv.allocate(a, 24)
+    assert kv.num_available() == before and [len(ids) for ids in a.block_ids] == [1, 1]
+    assert a.new_block_ids is None
     assert kv.allocate(a, 20)
     kv.free(a)
     kv.check_integrity(idle=True)
@@ -189,7 +183,7 @@ def test_failed_allocation_takes_nothing():
 def test_registration_is_at_most_one_block_late_and_free_completes_it():
     kv, full, _ = make_kv()
     req = make_req(kv, "a", list(range(40)))
-    kv.admit(req)
+    assert kv.admit_chunk(req, 1)
     late = 0
     while req.num_computed < 39:
         compute(kv, req, 1)
@@ -204,3 +198,21 @@ def test_registration_is_at_most_one_block_late_and_free_completes_it():
     assert len(kv.indices[full]) == computed // BS  # free indexed it
     again = make_req(kv, "b", list(range(40)))
     assert kv.lookup(again) == computed // BS
+
+
+def test_a_hit_needs_every_cacheable_group_and_stops_at_the_first_miss():
+    kv, full, sliding = make_kv(bounded_replay=False)  # both groups cacheable
+    req = make_req(kv, "r", list(range(25)))  # 6 whole blocks below the last token
+    hashes = req.block_hashes
+    for j, h in enumerate(hashes):
+        if j != 2:
+            kv.indices[full].insert(h, 10 + j)
+        kv.indices[sliding].insert(h, 20 + j)
+    assert kv.lookup(req) == 2
+    assert kv.hit_block_ids(req) == [[10, 11], [20, 21]]
+    kv.indices[sliding].forget(hashes[1], 21)
+    assert kv.lookup(req) == 1
+    short = make_req(kv, "s", list(range(17)))  # 4 whole blocks below the last token
+    kv.indices[full].insert(hashes[2], 12)
+    kv.indices[sliding].insert(hashes[1], 21)
+    assert kv.lookup(short) == 4 and kv.lookup(req) == 6

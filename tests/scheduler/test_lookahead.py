@@ -1,6 +1,7 @@
 """Async scheduling: a decode step planned on top of the step in flight (`schedule(lookahead=True)`).
 
-The driver here launches step N+1 before applying step N's answer, as the in-process engine does; the
+The random workloads run through the real step loop with lookahead (`StepDriver`, as the in-process
+engine and the scheduler actor run it): step N+1 is launched before step N's answer is applied. The
 checking fake worker verifies every KV read and the outputs must equal the reference tokens, with EOS and
 stop ids (a row planned for a request that then stops is dropped), max_tokens, preemption, aborts and two
 shards."""
@@ -8,29 +9,19 @@ shards."""
 import random
 
 import pytest
-from sched_harness import FakeWorker, make_config, new_log, reference_output
+from sched_harness import FakeWorker, driver, make_config, new_log, record, reference_output
 
 from raystate.config import EOS_ID
-from raystate.messages import SamplingParams, decode_result, decode_step, encode
+from raystate.messages import SamplingParams
 from raystate.scheduler import Scheduler
 
 
-def async_step(sched, workers, pending, log):
-    """Plan (with lookahead) and run the next step, then apply the previous step's answers."""
-    msgs = sched.schedule(lookahead=True)
-    launched = [
-        (s, decode_result(encode(workers[s].execute(decode_step(encode(m)))))) for s, m in msgs.items()
-    ]
-    for s, result in pending:
-        for upd in sched.update(s, result):
-            log.outputs[upd.req_id].extend(upd.new_token_ids)
-            if upd.finished:
-                assert upd.req_id not in log.finals, f"{upd.req_id} finished twice"
-                log.finals[upd.req_id] = upd
-        workers[s].poison_free_blocks(sched, s)
-        sched.check_integrity()
-    log.messages.append(msgs)
-    return launched
+def async_step(loop, sched, workers, log) -> bool:
+    """One pass of the loop, checked; True when it planned a step on top of one in flight."""
+    done = loop.step()
+    record(done, sched, workers, log)
+    sched.check_integrity()
+    return done.lookahead
 
 
 def _decode_ready(sched, workers, prompts):
@@ -104,7 +95,7 @@ def test_random_workload_with_lookahead_matches_the_reference(num_shards, seed):
     expected: dict[str, list[int]] = {}
     aborted: set[str] = set()
     log = new_log()
-    pending: list = []
+    loop = driver(sched, workers, lookahead=True)
     lookaheads = 0
     for n in range(600):
         if len(expected) < 40 and rng.random() < 0.2:
@@ -128,13 +119,11 @@ def test_random_workload_with_lookahead_matches_the_reference(num_shards, seed):
             victim = rng.choice(sorted(expected))
             if sched.abort(victim):
                 aborted.add(victim)
-        had_pending = bool(pending)
-        pending = async_step(sched, workers, pending, log)
-        lookaheads += had_pending and bool(log.messages[-1])
-        if n > 400 and not sched.has_unfinished() and not pending:
+        lookaheads += async_step(loop, sched, workers, log)
+        if n > 400 and not sched.has_unfinished() and not loop.in_flight:
             break
-    while sched.has_unfinished() or pending:
-        pending = async_step(sched, workers, pending, log)
+    while sched.has_unfinished() or loop.in_flight:
+        async_step(loop, sched, workers, log)
     for req_id, tokens in expected.items():
         if req_id not in aborted:
             assert log.outputs[req_id] == tokens, req_id

@@ -12,7 +12,6 @@ from raystate.scheduler.prefix_cache import (
     PromptHasher,
     extend_block_hashes,
     hash_block,
-    longest_hit,
 )
 
 BS = 4
@@ -57,21 +56,6 @@ def test_deterministic_across_processes():
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip().split(",") == [h.hex() for h in chain(list(range(300, 340)))]
-
-
-def test_longest_hit_needs_every_index_and_stops_at_the_first_miss():
-    hashes = chain(list(range(24)))  # 6 blocks
-    full, window = PrefixIndex(), PrefixIndex()
-    for j, h in enumerate(hashes):
-        if j != 2:
-            full.insert(h, 10 + j)
-        window.insert(h, 20 + j)
-    assert longest_hit([window], hashes, 6) == 6
-    assert longest_hit([window], hashes, 4) == 4
-    assert longest_hit([full], hashes, 6) == 2
-    window.forget(hashes[1], 21)
-    assert longest_hit([full, window], hashes, 6) == 1
-    assert longest_hit([], hashes, 6) == 0
 
 
 def test_index_keeps_the_first_block_and_forgets_only_its_own_entry():

@@ -1,4 +1,4 @@
-"""SPEC 3 steps 1-4 as the pure function `plan_replay` (W = P replay tokens)."""
+"""DESIGN 3 steps 1-4 as the pure function `plan_replay` (W = P replay tokens)."""
 
 import itertools
 

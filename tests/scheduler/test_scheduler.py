@@ -1,7 +1,7 @@
 """Scheduler step policy, finishing rules, abort, validation and the wire messages it produces."""
 
 import pytest
-from sched_harness import FakeWorker, make_config, new_log, reference_output, run, step
+from sched_harness import FakeWorker, make_config, new_log, one_shard, reference_output, run, step
 
 from raystate.config import EOS_ID
 from raystate.errors import InvalidRequest
@@ -27,9 +27,7 @@ def rows(msg: StepMessage) -> list[tuple[str, int]]:
 
 
 def test_many_requests_produce_the_reference_tokens_and_leave_the_pools_clean():
-    config = make_config(max_num_seqs=4, max_batched=24, threshold=8, num_blocks=40)
-    sched = Scheduler(config)
-    worker = FakeWorker(config)
+    sched, worker = one_shard(max_num_seqs=4, max_batched=24, threshold=8, num_blocks=40)
     prompts = [prompt(7 * i, 5 + 6 * i) for i in range(8)]
     for i, p in enumerate(prompts):
         sched.add_request(f"r{i}", p, greedy(6 + i))
@@ -65,9 +63,7 @@ def test_step_messages_survive_msgspec():
 
 
 def test_max_num_seqs_limits_running_requests():
-    config = make_config(max_num_seqs=2)
-    sched = Scheduler(config)
-    worker = FakeWorker(config)
+    sched, worker = one_shard(max_num_seqs=2)
     for i in range(3):
         sched.add_request(f"r{i}", prompt(i, 4), greedy(3))
     msgs = step(sched, [worker])
@@ -81,9 +77,7 @@ def test_max_num_seqs_limits_running_requests():
 
 
 def test_token_budget_chunks_prefills():
-    config = make_config(max_batched=10)
-    sched = Scheduler(config)
-    worker = FakeWorker(config)
+    sched, worker = one_shard(max_batched=10)
     sched.add_request("a", prompt(0, 8), greedy(2))
     sched.add_request("b", prompt(30, 8), greedy(2))
     log = new_log()
@@ -96,9 +90,7 @@ def test_token_budget_chunks_prefills():
 
 
 def test_long_prefill_threshold_caps_every_chunk():
-    config = make_config(max_batched=100, threshold=3)
-    sched = Scheduler(config)
-    worker = FakeWorker(config)
+    sched, worker = one_shard(max_batched=100, threshold=3)
     sched.add_request("a", prompt(0, 10), greedy(2))
     log = run(sched, [worker])
     chunks = [n for req_id, _, n, _ in worker.log if req_id == "a"]
@@ -107,9 +99,7 @@ def test_long_prefill_threshold_caps_every_chunk():
 
 
 def test_decodes_first_then_partial_prefills_then_waiting():
-    config = make_config(max_batched=3, threshold=1)
-    sched = Scheduler(config)
-    worker = FakeWorker(config)
+    sched, worker = one_shard(max_batched=3, threshold=1)
     sched.add_request("long", prompt(0, 10), greedy(2))
     sched.add_request("d1", prompt(40, 1), greedy(5))
     sched.add_request("d2", prompt(60, 1), greedy(5))
@@ -123,9 +113,7 @@ def test_decodes_first_then_partial_prefills_then_waiting():
 
 
 def test_waiting_queue_is_first_come_first_served():
-    config = make_config(num_blocks=9)  # 8 blocks per group = 32 tokens
-    sched = Scheduler(config)
-    worker = FakeWorker(config)
+    sched, worker = one_shard(num_blocks=9)  # 8 blocks per group = 32 tokens
     sched.add_request("a", prompt(0, 16), greedy(4))
     step(sched, [worker])
     sched.add_request("big", prompt(50, 20), greedy(2))  # needs 6 blocks: does not fit next to a
@@ -139,9 +127,7 @@ def test_waiting_queue_is_first_come_first_served():
 
 
 def test_preemption_takes_the_latest_arrival_first():
-    config = make_config(num_blocks=13, max_num_seqs=3)  # 12 blocks per group
-    sched = Scheduler(config)
-    worker = FakeWorker(config)
+    sched, worker = one_shard(num_blocks=13, max_num_seqs=3)  # 12 blocks per group
     for i in range(3):
         sched.add_request(f"r{i}", prompt(30 * i, 8), greedy(12))
     log = new_log()
@@ -208,9 +194,7 @@ def test_stop_wins_over_length_on_the_same_token():
 
 
 def test_finished_ids_go_to_the_next_message_and_blocks_are_freed():
-    config = make_config()
-    sched = Scheduler(config)
-    worker = FakeWorker(config)
+    sched, worker = one_shard()
     sched.add_request("a", prompt(0, 6), greedy(1))
     sched.add_request("b", prompt(20, 6), greedy(3))
     step(sched, [worker])  # both prefill; a samples its only token and finishes
@@ -225,9 +209,7 @@ def test_finished_ids_go_to_the_next_message_and_blocks_are_freed():
 
 
 def test_abort_waiting_running_and_in_flight():
-    config = make_config(max_num_seqs=2)
-    sched = Scheduler(config)
-    worker = FakeWorker(config)
+    sched, worker = one_shard(max_num_seqs=2)
     for req_id in ("a", "b", "c"):
         sched.add_request(req_id, prompt(ord(req_id), 6), greedy(5))
     step(sched, [worker])
@@ -264,9 +246,7 @@ def test_abort_waiting_running_and_in_flight():
     ],
 )
 def test_invalid_requests_name_the_field_and_lose_nothing(tokens, sampling, field):
-    config = make_config(max_model_len=256)
-    sched = Scheduler(config)
-    worker = FakeWorker(config)
+    sched, worker = one_shard(max_model_len=256)
     sched.add_request("ok", prompt(0, 5), greedy(3))
     step(sched, [worker])
     with pytest.raises(InvalidRequest) as info:

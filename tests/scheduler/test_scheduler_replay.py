@@ -1,4 +1,4 @@
-"""SPEC section 3 through the Scheduler, with a fake worker that checks every KV read."""
+"""DESIGN section 3 through the Scheduler, with a fake worker that checks every KV read."""
 
 from sched_harness import (
     FakeWorker,
@@ -6,6 +6,7 @@ from sched_harness import (
     group_index,
     make_config,
     new_log,
+    one_shard,
     reference_output,
     run,
     step,
@@ -151,9 +152,7 @@ def test_a_donor_must_replay_the_whole_hit_in_its_first_chunk():
 
 def test_a_later_step_never_borrows():
     """The donor's window blocks are released as it advances, so only its own step may borrow them."""
-    config = make_config()
-    sched = Scheduler(config)
-    worker = FakeWorker(config)
+    sched, worker = one_shard()
     sched.add_request("a", PROMPT, greedy(3))
     run(sched, [worker])
     log = new_log()
@@ -168,9 +167,7 @@ def test_a_later_step_never_borrows():
 
 
 def test_hit_of_exactly_the_window_is_ignored():
-    config = make_config()
-    sched = Scheduler(config)
-    worker = FakeWorker(config)
+    sched, worker = one_shard()
     sched.add_request("a", PROMPT[:8] + [90, 91], greedy(2))  # caches 2 blocks = W tokens
     run(sched, [worker])
     sched.add_request("b", PROMPT[:8] + [70, 71, 72], greedy(2))
@@ -182,9 +179,7 @@ def test_hit_of_exactly_the_window_is_ignored():
 
 
 def test_full_prompt_hit_computes_the_last_token():
-    config = make_config()
-    sched = Scheduler(config)
-    worker = FakeWorker(config)
+    sched, worker = one_shard()
     prompt = PROMPT[:16]
     sched.add_request("a", prompt, greedy(2))
     log = run(sched, [worker])
@@ -234,9 +229,7 @@ def test_prefix_caching_off_recomputes():
 
 
 def test_preemption_then_readmission_with_a_fresh_replay_start():
-    config = make_config(num_blocks=17)  # 16 blocks per group: a and b cannot both reach 42 tokens
-    sched = Scheduler(config)
-    worker = FakeWorker(config)
+    sched, worker = one_shard(num_blocks=17)  # 16 blocks per group: a and b cannot both reach 42 tokens
     prompts = {"a": list(range(1, 13)), "b": list(range(20, 32))}
     for req_id, prompt in prompts.items():
         sched.add_request(req_id, prompt, greedy(30))
@@ -254,7 +247,7 @@ def test_preemption_then_readmission_with_a_fresh_replay_start():
         if preempted_at is not None and readmitted is None:
             readmitted = next((r for r in msg.new_requests if r.req_id == "b"), None)
     assert preempted_at is not None and readmitted is not None
-    # Sent anew with its whole history, from a fresh SPEC 3 admission (its own prefix is still cached).
+    # Sent anew with its whole history, from a fresh DESIGN 3 admission (its own prefix is still cached).
     assert bytes_to_ids(readmitted.token_ids) == prompts["b"] + preempted_at
     assert readmitted.num_prompt_tokens == 12
     assert readmitted.replay_start > 0 and readmitted.num_computed == readmitted.replay_start

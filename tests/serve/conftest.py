@@ -59,6 +59,7 @@ def serve_port():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAYSTATE_KERNELS", "reference")
+        mp.setattr("raystate.kernels._common._reference_forced", True)
         if ray.is_initialized():  # a session earlier tests left: ours must inherit the environment above
             ray.shutdown()
         ray.init(address="local", include_dashboard=False)
@@ -105,6 +106,7 @@ def reference(serve_port):
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("RAYSTATE_KERNELS", "reference")
+            mp.setattr("raystate.kernels._common._reference_forced", True)
             outs = llm.generate(prompts, params, use_tqdm=False)
         return [(o.token_ids, o.text, o.finish_reason) for o in outs]
 

@@ -225,7 +225,7 @@ def _failing_app(exc: BaseException, after_first: bool):
     from raystate.serve.ingress import create_api
     from raystate.serve.server import RaystateServer
 
-    client = _FailingClient(AppArgs(model="tiny", backend="local").engine_config(), exc, after_first)
+    client = _FailingClient(AppArgs(model="tiny", backend="inprocess").engine_config(), exc, after_first)
     return create_api(RaystateServer(client))  # type: ignore[arg-type]
 
 

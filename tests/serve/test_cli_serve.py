@@ -19,6 +19,8 @@ import httpx
 import pytest
 from conftest import free_port
 
+pytestmark = pytest.mark.slow  # each test starts `raystate serve` (a local Ray and a Serve app)
+
 KEY = "cli-test-key"
 
 
@@ -98,7 +100,7 @@ def test_status_reports_an_unreachable_server():
 def test_bench_against_the_running_app(open_app, tmp_path):
     """`raystate bench` on a server that runs already (--url): load, table, JSON and PNG."""
     plot, figures = tmp_path / "bench.png", tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "raystate", "bench", "--url", open_app.url, "--backend", "local"]
+    cmd = [sys.executable, "-m", "raystate", "bench", "--url", open_app.url, "--backend", "inprocess"]
     cmd += [
         "--clients",
         "4",

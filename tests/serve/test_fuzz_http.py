@@ -7,7 +7,7 @@ Whatever the body, the answer must never be a 5xx or carry a traceback or a sour
 OpenAI's error shape, naming the field that was broken; an unbroken body must succeed; and afterwards
 the engine must still step (/health) and every KV block must be free again (/status).
 
-Most bodies go to an in-process app (the FastAPI app over `LocalClient`, through httpx's ASGI transport:
+Most bodies go to an in-process app (the FastAPI app over `InProcessClient`, through httpx's ASGI transport:
 no sockets, no Ray), which is what lets thousands fit the time; a few hundred more go to the real Serve
 app on loopback (tests/serve/conftest.py). Runs are deterministic (derandomize) and have no timing
 assertions; the examples per run are set below.
@@ -322,16 +322,16 @@ def assert_idle(status: dict, timeout_s: float, get_status) -> dict:
 
 
 class InProcessApp:
-    """The FastAPI app over a LocalClient, driven from one event loop of its own."""
+    """The FastAPI app over an InProcessClient, driven from one event loop of its own."""
 
     def __init__(self) -> None:
-        from raystate.client import LocalClient
+        from raystate.client import InProcessClient
         from raystate.serve.app import AppArgs
         from raystate.serve.ingress import create_api
         from raystate.serve.server import RaystateServer
 
         self.loop = asyncio.new_event_loop()
-        self.client = LocalClient(AppArgs(model="tiny", backend="local").engine_config())
+        self.client = InProcessClient(AppArgs(model="tiny", backend="inprocess").engine_config())
         self.server = RaystateServer(self.client)
         transport = httpx.ASGITransport(app=create_api(self.server), raise_app_exceptions=False)
         self.http = httpx.AsyncClient(transport=transport, base_url="http://fuzz", timeout=60)
@@ -353,6 +353,7 @@ class InProcessApp:
 def in_process():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAYSTATE_KERNELS", "reference")  # read at every launch, by the engine's own thread
+        mp.setattr("raystate.kernels._common._reference_forced", True)
         app = InProcessApp()
         try:
             yield app

@@ -2,7 +2,7 @@
 
 Greedy outputs must equal plain `LLM.generate` on the same prompts (text prompts tokenized with BOS, as
 LLM does). Prompts start with distinct text and stay short, so no request finds a prefix-cache hit that
-would make it replay (SPEC 3), which a cold `LLM.generate` would not.
+would make it replay (DESIGN 3), which a cold `LLM.generate` would not.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ def test_metrics_move_with_requests_and_prefix_hits(open_app):
 
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     hit = second.usage.prompt_tokens_details.cached_tokens
-    assert hit == 96  # whole blocks, never the whole prompt (SPEC 3.1)
-    # W = 32 > 0 replayed for the sliding window (SPEC 3.3), and reported so
+    assert hit == 96  # whole blocks, never the whole prompt (DESIGN 3.1)
+    # W = 32 > 0 replayed for the sliding window (DESIGN 3.3), and reported so
     assert second.usage.prompt_tokens_details.model_extra["replayed_tokens"] == 32
 
     assert delta("raystate_time_to_first_token_seconds_count") == 2

@@ -8,19 +8,19 @@ import numpy as np
 import pytest
 
 from raystate import LLM, SamplingParams
-from raystate.worker.cudagraph import DecodeGraphs
 
 
 @pytest.fixture(autouse=True)
 def _reference_kernels(monkeypatch):
     monkeypatch.setenv("RAYSTATE_KERNELS", "reference")  # the kernels' own tests cover the Triton side
+    monkeypatch.setattr("raystate.kernels._common._reference_forced", True)
 
 
 def _generate(graph_path: bool, prompts, params):
     llm = LLM(backend="inprocess", device="cpu", max_num_seqs=8, max_model_len=256)
     worker = llm.engine.worker
     if graph_path:
-        worker.graphs = DecodeGraphs(worker)  # never captured: `replay` runs the step eagerly
+        worker.graphs = worker.new_decode_graphs()  # never captured: `replay` runs the step eagerly
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     return [o.token_ids for o in outs], worker
 
@@ -48,7 +48,7 @@ def test_graph_decode_step_equals_eager_path():
 def test_graph_path_is_skipped_for_prefill_and_mixed_steps():
     llm = LLM(backend="inprocess", device="cpu", max_num_seqs=4, max_model_len=128)
     worker = llm.engine.worker
-    worker.graphs = DecodeGraphs(worker)
+    worker.graphs = worker.new_decode_graphs()
     calls = []
     real = worker.graphs.replay
     worker.graphs.replay = lambda slots, positions: calls.append(len(slots)) or real(slots, positions)

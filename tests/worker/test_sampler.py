@@ -45,6 +45,7 @@ def test_seeded_sampling_ignores_batch_and_order():
 
 def test_seeded_generation_repeats_across_engines(monkeypatch):
     monkeypatch.setenv("RAYSTATE_KERNELS", "reference")  # sampling is under test here, not the kernels
+    monkeypatch.setattr("raystate.kernels._common._reference_forced", True)
     params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
     prompts = ["abc", "the window"]
     a = LLM(backend="inprocess", max_model_len=128, max_num_seqs=4).generate(prompts, params, use_tqdm=False)

@@ -36,7 +36,6 @@ class RequestStates:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         # History length when the request (re)arrived: chunks starting below it are prefill chunks.
         self.prefill_len = np.zeros(max_num_reqs, dtype=np.int64)
-        self.num_generated_here = np.zeros(max_num_reqs, dtype=np.int64)
         self.sampling: list[SamplingParams | None] = [None] * max_num_reqs
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.slot_of: dict[str, int] = {}
@@ -67,7 +66,6 @@ class RequestStates:
         self.prefill_len[slot] = n
         self.num_prompt_tokens[slot] = req.num_prompt_tokens
         self.num_computed[slot] = req.num_computed
-        self.num_generated_here[slot] = 0
         return slot
 
     def remove(self, req_id: str) -> int | None:
@@ -78,9 +76,6 @@ class RequestStates:
         self.sampling[slot] = None
         self._free.append(slot)
         return slot
-
-    def is_prefilling(self, slot: int) -> bool:
-        return self.num_computed[slot] < self.prefill_len[slot]
 
     def sync_num_computed(self) -> None:
         """Copies the host chunk starts to the device (one copy, no sync)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raystate.state.requests import RequestStates
+from raystate.worker.requests import RequestStates
 
 
 @dataclass

@@ -1,0 +1,158 @@
+"""The engine's user-facing knobs (`EngineArgs`) and the one builder that turns them into an `EngineConfig`.
+
+Every front end takes the same knobs: `LLM(model, **kwargs)`, the Serve app's `AppArgs` (its engine
+fields are generated from `EngineArgs`) and `raystate serve`'s flags (also generated). So a knob added
+here reaches all three with one default, and every config is validated by the same code: the frozen
+configs of `raystate.config`, whose errors name the field and the limit.
+
+Model resolution, the step from a `--model` word to a model shape, its weights and its tokenizer, is
+`resolve_model`, and only there. Standard library only (no torch, pydantic or Ray), like `raystate.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from raystate.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from raystate.errors import InvalidRequest
+from raystate.tokenizer import ByteTokenizer
+
+# Where the engine runs: "ray", a deployment of a scheduler actor and worker actors; "inprocess", the
+# scheduler and one worker in the calling process (LLM) or in the Serve replica (the Serve app).
+Backend = Literal["ray", "inprocess"]
+BACKENDS: tuple[str, ...] = typing.get_args(Backend)
+
+MODEL_CONFIG_FILE = "config.json"  # what makes a directory a save_pretrained model (raystate.model.weights)
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What a model word stands for: the model's shape, where its weights are, which tokenizer it uses."""
+
+    config: ModelConfig
+    path: str | None = None  # a save_pretrained directory; None: weights drawn from `config.seed`
+    tokenizer: str = "byte"  # "byte": ByteTokenizer, the only tokenizer of the models served today
+
+
+def resolve_model(model: str) -> ResolvedModel:
+    """A model word -> its ModelConfig, weights path and tokenizer choice: a named config ("tiny",
+    "bench") or a save_pretrained directory (one holding config.json).
+
+    The one place a `--model` / `model=` is interpreted. Hugging Face checkpoints (a local folder or a hub
+    id, their config's max_model_len and dtype) resolve here too, when they are supported.
+    """
+    if os.path.isfile(os.path.join(model, MODEL_CONFIG_FILE)):
+        with open(os.path.join(model, MODEL_CONFIG_FILE)) as f:
+            return ResolvedModel(ModelConfig.from_dict(json.load(f)), path=model)
+    return ResolvedModel(ModelConfig.named(model))
+
+
+def load_tokenizer(model: ResolvedModel) -> ByteTokenizer:
+    """The tokenizer `resolve_model` chose for the model."""
+    if model.tokenizer != "byte":
+        raise InvalidRequest("tokenizer", "'byte'", model.tokenizer)
+    return ByteTokenizer()
+
+
+def _knob(default: Any, help: str) -> Any:
+    """An EngineArgs field; `help` documents it for every front end (CLI help, the Serve args' schema)."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The knobs a user sets, flat, with the defaults every front end shares. No checks here: the configs
+    `build_engine_config` builds check every value (errors name the field and the limit)."""
+
+    model: str = _knob("tiny", "a named model (tiny, bench) or a save_pretrained directory")
+    max_model_len: int | None = _knob(
+        None, "longest request (prompt + output) in tokens (default: the model's)"
+    )
+    device: str = _knob("cpu", "cpu or cuda[:N]")
+    dtype: str = _knob("auto", "auto (float32 on the CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
+    seed: int = _knob(0, "seed of the random draws of requests that send no seed of their own")
+    cuda_graphs: bool = _knob(True, "capture decode-only steps in CUDA graphs (ignored on the CPU)")
+    async_scheduling: bool = _knob(True, "plan and send the next decode step while the current one runs")
+    block_size: int = _knob(16, "tokens per KV cache block (a power of two <= 128)")
+    num_blocks: int | None = _knob(None, "KV blocks per cache group and shard (instead of kv_cache_bytes)")
+    kv_cache_bytes: int | None = _knob(
+        None,
+        "KV cache bytes per shard, split across the attention groups; default: sized from max_num_seqs "
+        "and the model's max length",
+    )
+    enable_prefix_caching: bool = _knob(True, "reuse the KV of cached prompt prefixes")
+    swa_bounded_replay: bool = _knob(
+        True, "keep sliding-window KV out of the prefix cache and replay the window after a hit"
+    )
+    share_replay: bool = _knob(
+        True, "requests admitted in one step with the same replayed hit rebuild its window once"
+    )
+    max_num_seqs: int = _knob(64, "most requests running at once per shard")
+    max_num_batched_tokens: int = _knob(2048, "most tokens in one step per shard")
+    long_prefill_token_threshold: int = _knob(
+        0, "when > 0, the most tokens one prefill chunk takes (so long prompts don't starve decodes)"
+    )
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One EngineArgs field as a front end declares it."""
+
+    name: str
+    annotation: Any  # the field's type, e.g. `int | None`
+    value_type: type  # the type of a value that is set: bool, int, float or str
+    default: Any
+    help: str
+
+
+def knobs() -> tuple[Knob, ...]:
+    """The EngineArgs fields in declaration order, with their types resolved (for generated flags and
+    Serve args)."""
+    hints = typing.get_type_hints(EngineArgs)
+    out = []
+    for f in dataclasses.fields(EngineArgs):
+        set_types = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
+        value_type = set_types[0] if set_types else hints[f.name]
+        out.append(Knob(f.name, hints[f.name], value_type, f.default, f.metadata["help"]))
+    return tuple(out)
+
+
+def build_engine_config(args: EngineArgs, model: ResolvedModel | None = None) -> EngineConfig:
+    """The validated EngineConfig of `args`.
+
+    `model`: the model, already resolved (the caller also needs its tokenizer) or made by hand (tests and
+    benchmarks with their own shapes); None resolves `args.model`. `args.max_model_len`, when set,
+    replaces the model's own limit.
+    """
+    if model is None:
+        model = resolve_model(args.model)
+    model_config = model.config
+    if args.max_model_len is not None:
+        model_config = dataclasses.replace(model_config, max_model_len=args.max_model_len)
+    return EngineConfig(
+        model=model_config,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            kv_cache_bytes=args.kv_cache_bytes,
+            enable_prefix_caching=args.enable_prefix_caching,
+            swa_bounded_replay=args.swa_bounded_replay,
+            share_replay=args.share_replay,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+        ),
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        cuda_graphs=args.cuda_graphs,
+        async_scheduling=args.async_scheduling,
+        model_path=model.path,
+    )

@@ -1,0 +1,114 @@
+"""The Ray transports of a step: a compiled graph over every shard, or plain actor calls.
+
+`CompiledDispatch`, one Ray compiled graph over every shard's `execute` (all shards step in lockstep,
+~0.1-0.2 ms a round trip), and `ActorDispatch`, plain actor calls (each shard steps as soon as it
+answered; ~1 ms a round trip). Both keep the dispatch.py contract, so the step loop drives either the
+same way. Errors come back per shard, so the scheduler actor can recover just those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import ray
+from ray.exceptions import GetTimeoutError
+
+from raystate.scheduler.dispatch import IDLE_STEP, Answers, DispatchRefused, LockstepDispatch
+
+
+class CompiledDispatch(LockstepDispatch):
+    """One compiled graph over every live shard's `execute`; all shards step together (a shard with
+    nothing to do gets an empty step, so the graph's fan-out stays fixed)."""
+
+    def __init__(self, workers: dict[int, object]) -> None:
+        from ray.dag import InputNode, MultiOutputNode
+
+        super().__init__()
+        self.shards = sorted(workers)
+        with InputNode() as inp:
+            outs = [workers[s].execute.bind(inp[i]) for i, s in enumerate(self.shards)]
+            self.dag = MultiOutputNode(outs).experimental_compile()
+
+    def _send(self, payloads: dict[int, bytes]):
+        try:
+            return self.dag.execute(*[payloads.get(s, IDLE_STEP) for s in self.shards])
+        except Exception as e:  # the graph refused the input
+            raise DispatchRefused(e) from e
+
+    def _wait(self, ref, timeout_s: float | None) -> tuple[dict[int, bytes], dict[int, BaseException]]:
+        try:
+            outs = ray.get(ref, timeout=timeout_s)
+        except Exception as e:  # a dead actor, a channel error or a timeout: every shard's answer is lost
+            return {}, {s: e for s in self.shards}
+        return dict(zip(self.shards, outs, strict=True)), {}
+
+    def close(self) -> None:
+        super().close()
+        with contextlib.suppress(Exception):  # an actor of the graph may be gone already
+            self.dag.teardown()
+
+
+class ActorDispatch:
+    """Plain actor calls; each shard steps as soon as it answered its last message."""
+
+    lockstep = False
+
+    def __init__(self, workers: dict[int, object]) -> None:
+        self.workers = dict(workers)
+        self._refs: dict[int, tuple[object, float]] = {}  # shard -> (ref, deadline)
+        self._sent: dict[int, float] = {}  # shard -> submit time, for tracked steps in flight
+
+    def submit(self, payloads: dict[int, bytes], track: bool = True) -> None:
+        now = time.perf_counter()
+        for s, data in payloads.items():
+            if track:
+                self._sent[s] = now
+            try:
+                self._refs[s] = (self.workers[s].execute.remote(data), 0.0)
+            except Exception as e:
+                raise DispatchRefused(e) from e
+
+    def num_in_flight(self) -> int:
+        return len(self._refs)
+
+    def collect(self, timeout_s: float | None = None) -> Answers:
+        """Every answer already there, waiting for the first one up to the step timeout."""
+        now = time.monotonic()
+        for s, (ref, deadline) in self._refs.items():
+            if not deadline:
+                self._refs[s] = (ref, now + timeout_s)
+        by_ref = {ref: s for s, (ref, _) in self._refs.items()}
+        wait_s = max(0.0, min(d for _, d in self._refs.values()) - now)
+        ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=wait_s)
+        if ready:  # take every answer already there
+            ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
+        results, sent_at, errors = {}, {}, {}
+        for ref in ready:
+            s = by_ref[ref]
+            del self._refs[s]
+            try:
+                data = ray.get(ref)
+            except Exception as e:
+                errors[s] = e
+                continue
+            if s in self._sent:
+                results[s] = data
+                sent_at[s] = self._sent.pop(s)
+        now = time.monotonic()
+        for s in [s for s, (_, deadline) in self._refs.items() if deadline <= now]:
+            del self._refs[s]
+            errors[s] = GetTimeoutError(f"shard {s}: no answer within the step timeout")
+        lost = {s for s in errors if self._sent.pop(s, None) is not None}
+        return Answers(results, sent_at, errors, lost)
+
+    def abandon(self) -> set[int]:
+        """After a refused submission: the tracked steps in flight are lost (their answers, if any come,
+        are dropped)."""
+        lost = set(self._sent)
+        self._sent.clear()
+        return lost
+
+    def close(self) -> None:
+        self._refs.clear()
+        self._sent.clear()

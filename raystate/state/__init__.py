@@ -1,1 +1,0 @@
-"""Model state on the worker: request states, input batch, persistent lookback/replay buffers."""

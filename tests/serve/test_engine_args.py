@@ -1,0 +1,72 @@
+"""One set of engine knobs for every front end: `LLM(...)`, the Serve app's `AppArgs` and `raystate serve`'s
+flags all come from `raystate.engine_args.EngineArgs`, with its defaults, through `build_engine_config`.
+No Ray here: nothing is started."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from raystate.cli import _engine_args, build_parser
+from raystate.engine_args import EngineArgs, build_engine_config, knobs
+from raystate.errors import InvalidRequest
+from raystate.serve.app import AppArgs
+
+NON_DEFAULT = dict(
+    block_size=8,
+    max_num_batched_tokens=512,
+    long_prefill_token_threshold=64,
+    async_scheduling=False,
+    max_model_len=256,
+    max_num_seqs=4,
+    enable_prefix_caching=False,
+)
+
+
+def test_every_front_end_has_every_knob_with_its_default():
+    for knob in knobs():
+        assert AppArgs.model_fields[knob.name].default == knob.default, knob.name
+    assert AppArgs().engine_args() == EngineArgs()
+    assert _engine_args(build_parser().parse_args(["serve"])) == EngineArgs()
+    assert AppArgs().engine_config() == build_engine_config(EngineArgs())
+
+
+def test_serve_args_and_flags_reach_the_config():
+    want = build_engine_config(EngineArgs(**NON_DEFAULT))
+    assert AppArgs(**NON_DEFAULT).engine_config() == want
+    flags = ["serve", "--block-size", "8", "--max-num-batched-tokens", "512"]
+    flags += ["--long-prefill-token-threshold", "64", "--no-async-scheduling", "--max-model-len", "256"]
+    flags += ["--max-num-seqs", "4", "--no-enable-prefix-caching"]
+    assert _engine_args(build_parser().parse_args(flags)) == EngineArgs(**NON_DEFAULT)
+    assert want.cache.block_size == 8 and want.scheduler.long_prefill_token_threshold == 64
+    assert want.max_model_len == 256 and not want.async_scheduling
+
+
+def test_kv_cache_gib_flag_is_kv_cache_bytes():
+    args = _engine_args(build_parser().parse_args(["serve", "--kv-cache-gib", "0.5"]))
+    assert args == dataclasses.replace(EngineArgs(), kv_cache_bytes=1 << 29)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "limit"),
+    [
+        ("block_size", 3, "a power of two <= 128"),
+        ("max_num_batched_tokens", 0, ">= 1"),
+        ("long_prefill_token_threshold", -1, ">= 0"),
+        ("max_num_seqs", 0, ">= 1"),
+        ("kv_cache_bytes", 0, "> 0"),
+        ("max_model_len", 1, ">= 2"),
+        ("dtype", "fp8", "one of auto"),
+    ],
+)
+def test_bad_values_name_the_field_and_the_limit(field, value, limit):
+    with pytest.raises(InvalidRequest, match=limit) as err:
+        AppArgs(**{field: value}).engine_config()
+    assert err.value.field == field
+
+
+def test_backend_is_ray_or_inprocess():
+    assert AppArgs(backend="inprocess").backend == "inprocess"
+    with pytest.raises(ValueError, match="inprocess"):
+        AppArgs(backend="local")
