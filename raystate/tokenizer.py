@@ -56,6 +56,22 @@ class ByteTokenizer:
         parts.append(pending.decode("utf-8", errors="replace"))
         return "".join(parts)
 
+    def __len__(self) -> int:
+        """Every id, specials included, as Hugging Face's `len(tokenizer)` counts them."""
+        return BYTE_VOCAB_SIZE
+
+    def convert_ids_to_tokens(self, ids: int | Iterable[int]) -> str | list[str]:
+        """Raw token strings, as Hugging Face's method of that name: "<0x41>" for byte 0x41 (any byte, so a
+        lone continuation byte has one too), the special's text for BOS, EOS and PAD."""
+        if isinstance(ids, Iterable):
+            return [self.convert_ids_to_tokens(i) for i in ids]
+        tok = int(ids)
+        if 0 <= tok < NUM_BYTES:
+            return f"<0x{tok:02X}>"
+        if tok not in _SPECIAL_TEXT:
+            raise InvalidRequest("token id", f"in [0, {BYTE_VOCAB_SIZE})", tok)
+        return _SPECIAL_TEXT[tok]
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Plain text: "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n" to prompt a reply."""
         out = []

@@ -4,7 +4,13 @@ Imports torch and raystate.kernels; never ray, the scheduler or message types.
 """
 
 from raystate.model.attention import Attention, ForwardMetadata, GroupMetadata
-from raystate.model.engram import Engram, EngramHashConstants, compressed_vocab, engram_hash_constants
+from raystate.model.engram import (
+    Engram,
+    EngramHashConstants,
+    compressed_vocab_from_tokenizer,
+    engram_hash_constants,
+    engram_normalize,
+)
 from raystate.model.reference import dense_attention, dense_forward, replay_reference
 from raystate.model.transformer import DecoderLayer, TinyHybrid
 from raystate.model.weights import empty_model, init_weights, is_model_dir, load_model, save_pretrained
@@ -17,11 +23,12 @@ __all__ = [
     "ForwardMetadata",
     "GroupMetadata",
     "TinyHybrid",
-    "compressed_vocab",
+    "compressed_vocab_from_tokenizer",
     "dense_attention",
     "dense_forward",
     "empty_model",
     "engram_hash_constants",
+    "engram_normalize",
     "init_weights",
     "is_model_dir",
     "load_model",

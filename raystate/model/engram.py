@@ -9,6 +9,8 @@ weights.
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +21,7 @@ from raystate.config import ModelConfig
 from raystate.kernels import engram_hash
 from raystate.kernels.engram_gate import engram_gate
 from raystate.model.layers import RMSNorm
+from raystate.tokenizer import ByteTokenizer
 
 
 @dataclass(frozen=True)
@@ -41,21 +44,51 @@ class EngramHashConstants:
         return int(self.primes.sum())
 
 
-def compressed_vocab(vocab_size: int, pad_token_id: int) -> tuple[np.ndarray, int]:
-    """Token id -> dense compressed id, ASCII letters case-folded; returns (compress, pad_id).
+# DESIGN section 2, "Compression": the key of a token's text, as DeepSeek's Engram reference computes it
+# with a `tokenizers` normalizer sequence (NFKC, NFD, StripAccents, Lowercase, Replace("[ \t\r\n]+", " "),
+# Replace("^ $", U+E000), Strip, Replace(U+E000, " ")), written here with the standard library.
+_SENTINEL = "\ue000"  # protects a lone space from Strip; any U+E000 already in the text also ends as " "
+_SPACE_RUN = re.compile(r"[ \t\r\n]+")
+# What the `Strip` normalizer removes: Rust's `char::is_whitespace`, the Unicode White_Space property.
+# Python's bare `str.strip()` would also remove U+001C..U+001F, which are not White_Space.
+_WHITE_SPACE = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
+    "\u2028\u2029\u202f\u205f\u3000"
+)
 
-    Folding case makes "The" and "the" share n-gram buckets. Ids are assigned in token order to each new
-    folded id, so they are dense in [0, V').
+
+def engram_normalize(text: str) -> str:
+    """The normalized key of `text` (may be empty): NFKC, NFD, combining marks (category M*) dropped,
+    lowercased character by character (no final-sigma rule), runs of space/tab/CR/LF collapsed to one space,
+    then stripped of White_Space unless the whole text is that one space."""
+    s = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+    s = "".join(c.lower() for c in s if unicodedata.category(c)[0] != "M")
+    s = _SPACE_RUN.sub(" ", s)
+    if s == " ":
+        s = _SENTINEL
+    return s.strip(_WHITE_SPACE).replace(_SENTINEL, " ")
+
+
+def compressed_vocab_from_tokenizer(tokenizer, pad_token_id: int) -> tuple[np.ndarray, int, int]:
+    """Token id -> dense compressed id; returns (lookup int64 [len(tokenizer)], V', compressed pad id).
+
+    DESIGN section 2: every id is decoded alone with `skip_special_tokens=False`; its key is
+    `engram_normalize(text)`, or the text itself where that is empty, or the raw token string
+    (`convert_ids_to_tokens`) where the text holds U+FFFD (a partial UTF-8 sequence), all in one key space.
+    Keys are numbered by first appearance in id order, so ids that share a key ("The", "the", "THE") share
+    n-gram buckets. Duck-typed: our `ByteTokenizer` or a Hugging Face tokenizer.
     """
-    folded = np.arange(vocab_size, dtype=np.int64)
-    upper = (folded >= ord("A")) & (folded <= ord("Z"))
-    folded[upper] += ord("a") - ord("A")
-    _, first, inverse = np.unique(folded, return_index=True, return_inverse=True)
-    # np.unique numbers folded ids in sorted order; renumber them by first appearance instead.
-    rank = np.empty_like(first)
-    rank[np.argsort(first, kind="stable")] = np.arange(first.shape[0])
-    compress = rank[inverse].astype(np.int64)
-    return compress, int(compress[pad_token_id])
+    vocab_size = len(tokenizer)
+    if not 0 <= pad_token_id < vocab_size:
+        raise ValueError(f"pad_token_id must be in [0, {vocab_size}), got {pad_token_id}")
+    numbers: dict[str, int] = {}
+    lookup = np.empty(vocab_size, dtype=np.int64)
+    for token_id in range(vocab_size):
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        partial = "\ufffd" in text  # a partial UTF-8 sequence: keyed by the raw token string
+        key = tokenizer.convert_ids_to_tokens(token_id) if partial else (engram_normalize(text) or text)
+        lookup[token_id] = numbers.setdefault(key, len(numbers))
+    return lookup, len(numbers), int(lookup[pad_token_id])
 
 
 def _is_prime(n: int) -> bool:
@@ -85,8 +118,12 @@ def consecutive_primes(start: int, count: int) -> list[int]:
 def engram_hash_constants(config: ModelConfig) -> dict[int, EngramHashConstants]:
     """DESIGN section 2, by engram layer id: multipliers from default_rng(10007 * layer_id); primes taken in
     order layer (ascending id), order (2..N), head, consecutive from engram_vocab_size, never reused."""
-    compress, pad_id = compressed_vocab(config.vocab_size, config.pad_token_id)
-    num_compressed = int(compress.max()) + 1
+    tokenizer = ByteTokenizer()  # the reference models' tokenizer
+    if config.vocab_size != len(tokenizer):
+        raise ValueError(
+            f"engram compresses the byte tokenizer's {len(tokenizer)} ids; vocab_size is {config.vocab_size}"
+        )
+    compress, num_compressed, pad_id = compressed_vocab_from_tokenizer(tokenizer, config.pad_token_id)
     bound = max(1, (2**63 - 1) // num_compressed // 2)
     n, heads = config.engram_max_ngram, config.engram_heads
     layer_ids = sorted(set(config.engram_layer_ids))

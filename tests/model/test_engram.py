@@ -8,8 +8,9 @@ import torch
 
 from raystate.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
 from raystate.kernels import engram_hash_ref, engram_hash_scalar
-from raystate.model import compressed_vocab, engram_hash_constants
+from raystate.model import compressed_vocab_from_tokenizer, engram_hash_constants, engram_normalize
 from raystate.model.engram import Engram
+from raystate.tokenizer import ByteTokenizer
 
 CONFIGS = [
     ModelConfig.named("tiny"),
@@ -27,16 +28,104 @@ def sieve(limit: int) -> list[int]:
     return np.nonzero(flags)[0].tolist()
 
 
-def test_compressed_vocab_folds_ascii_case_and_is_dense():
-    compress, pad_id = compressed_vocab(259, PAD_ID)
-    assert compress.dtype == np.int64 and compress.shape == (259,)
-    assert sorted(set(compress.tolist())) == list(range(259 - 26))  # dense: V' = 233
+def byte_keys() -> list[object]:
+    """The reference's key of each byte-tokenizer id, written out by hand for this vocabulary."""
+    keys: list[object] = []
+    for b in range(256):
+        if b >= 0x80:
+            keys.append(f"<0x{b:02X}>")  # alone it is not UTF-8: decodes to U+FFFD, keyed by its raw string
+        elif chr(b) in " \t\n\r":
+            keys.append(" ")  # a whitespace run collapses to one space, and a lone space is kept
+        else:
+            keys.append(chr(b).lower())  # \v and \f strip to "" and keep their raw text
+    return keys + ["<|bos|>", "<|eos|>", "<|pad|>"]
+
+
+def test_byte_tokenizer_compression_follows_the_reference_rules():
+    tok = ByteTokenizer()
+    assert len(tok) == 259 and tok.decode([0x80], skip_special_tokens=False) == "\ufffd"
+    assert tok.convert_ids_to_tokens([0x80, ord("A"), PAD_ID]) == ["<0x80>", "<0x41>", "<|pad|>"]
+    lookup, num_compressed, pad_id = compressed_vocab_from_tokenizer(tok, PAD_ID)
+    assert lookup.dtype == np.int64 and lookup.shape == (259,)
+    numbers: dict[object, int] = {}
+    assert lookup.tolist() == [numbers.setdefault(k, len(numbers)) for k in byte_keys()]
+    assert num_compressed == len(numbers) == 230  # 259 - 26 letters - 3 of tab, LF, CR, space
+    assert sorted(set(lookup.tolist())) == list(range(230))  # dense, numbered by first appearance
+    assert all(lookup[i] <= lookup[:i].max(initial=-1) + 1 for i in range(259))
     for upper in range(ord("A"), ord("Z") + 1):
-        assert compress[upper] == compress[upper + 32]
-    others = [t for t in range(259) if not ord("A") <= t <= ord("Z")]
-    assert len({int(compress[t]) for t in others}) == len(others)
-    assert pad_id == compress[PAD_ID]
-    assert len({int(compress[t]) for t in (BOS_ID, EOS_ID, PAD_ID)}) == 3
+        assert lookup[upper] == lookup[upper + 32]
+    assert len({int(lookup[b]) for b in b" \t\n\r"}) == 1 and lookup[ord(" ")] == 9  # first at tab
+    assert len({int(lookup[b]) for b in (0x0B, 0x0C, 0x1C, 0x00, ord(" "))}) == 5
+    high = [int(lookup[b]) for b in range(0x80, 0x100)]
+    assert high == list(range(99, 227))  # each lone byte >= 0x80 apart from every other key
+    assert pad_id == lookup[PAD_ID] == 229
+    assert [int(lookup[t]) for t in (BOS_ID, EOS_ID, PAD_ID)] == [227, 228, 229]
+
+
+def test_reference_models_use_the_byte_tokenizer_compression():
+    lookup, num_compressed, pad_id = compressed_vocab_from_tokenizer(ByteTokenizer(), PAD_ID)
+    for config in CONFIGS:
+        for c in engram_hash_constants(config).values():
+            assert c.compress.tolist() == lookup.tolist()
+            assert (c.num_compressed, c.pad_id) == (num_compressed, pad_id)
+    with pytest.raises(ValueError, match="vocab_size"):
+        engram_hash_constants(ModelConfig(vocab_size=300))
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("Café", "cafe"),
+        (" CAFÉ", "cafe"),  # accents stripped after NFD, lowercased, stripped
+        ("cafe\u0301", "cafe"),  # a combining mark already decomposed
+        ("ﬁ", "fi"),  # NFKC ligature
+        ("\u00a0x\u3000", "x"),  # NFKC turns NBSP and the ideographic space into spaces
+        ("a \t\r\n b", "a b"),
+        (" ", " "),
+        ("\t", " "),
+        ("\n\n", " "),
+        ("  ", " "),  # a lone space after the collapse is kept
+        ("\x0b", ""),  # not collapsed, but White_Space: stripped; the caller keeps the raw text
+        ("\x1c", "\x1c"),  # not White_Space: kept, where str.strip() would drop it
+        ("ΑΣ", "ασ"),  # lowercased one character at a time: no final sigma
+        ("İ", "i"),  # NFD splits off the dot above, a mark
+        ("x\ue000", "x "),  # the sentinel itself ends as a space
+        ("", ""),
+    ],
+)
+def test_engram_normalize(text, key):
+    assert engram_normalize(text) == key
+
+
+class FakeTokenizer:
+    """Decodes and raw token strings given as lists: exercises the rules one id at a time."""
+
+    def __init__(self, decoded: list[str], raw: list[str]) -> None:
+        self.decoded, self.raw = decoded, raw
+
+    def __len__(self) -> int:
+        return len(self.decoded)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        assert not skip_special_tokens and len(ids) == 1
+        return self.decoded[ids[0]]
+
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        return self.raw[token_id]
+
+
+def test_replacement_character_keys_share_the_key_space():
+    tok = FakeTokenizer(
+        decoded=["\ufffd", "X", "\ufffd", "\x0b", "\x0c", "", "\x0b ", "a\ufffd"],
+        raw=["x", "X", "\u0120\u00e3", "\u010b", "\u010c", "", "\u010b\u0120", "a\u00e3"],
+    )
+    lookup, num_compressed, pad_id = compressed_vocab_from_tokenizer(tok, 7)
+    # raw "x" and normalized "X" share a key; "\v", "\f" and "" keep their raw text; "\v " strips to ""
+    # and keeps its text too; any U+FFFD in the text sends it to the raw string.
+    assert lookup.tolist() == [0, 0, 1, 2, 3, 4, 5, 6]
+    assert (num_compressed, pad_id) == (7, 6)
+    with pytest.raises(ValueError, match="pad_token_id"):
+        compressed_vocab_from_tokenizer(tok, 8)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["tiny", "bench", "odd"])

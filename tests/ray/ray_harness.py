@@ -10,7 +10,8 @@ import time
 import numpy as np
 
 from raystate import LLM, SamplingParams
-from raystate.config import CacheConfig, EngineConfig, ModelConfig
+from raystate.config import EngineConfig
+from raystate.engine_args import EngineArgs, build_engine_config
 
 # Worker actors run the kernels' PyTorch references (fast on the CPU).
 WORKER_ENV = {"RAYSTATE_KERNELS": "reference"}
@@ -21,17 +22,16 @@ TEST_OPTIONS = dict(
 MAX_MODEL_LEN = 512
 
 
-def engine_config(swa_bounded_replay: bool = True, **cache) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(max_model_len=MAX_MODEL_LEN),
-        cache=CacheConfig(swa_bounded_replay=swa_bounded_replay, **cache),
-    )
-
-
 def llm_kwargs(swa_bounded_replay: bool = True) -> dict:
+    """The engine knobs of these tests, as `LLM(**llm_kwargs())` takes them."""
     return dict(
         model="tiny", device="cpu", max_model_len=MAX_MODEL_LEN, swa_bounded_replay=swa_bounded_replay
     )
+
+
+def engine_config(swa_bounded_replay: bool = True) -> EngineConfig:
+    """The same knobs through the one builder, for `Cluster.start`."""
+    return build_engine_config(EngineArgs(**llm_kwargs(swa_bounded_replay)))
 
 
 def distinct_prompts(seed: int, num: int, low: int = 5, high: int = 40) -> list[list[int]]:

@@ -1,0 +1,190 @@
+"""Token ids -> text deltas for one streamed request on a checkpoint's tokenizer, with OpenAI stop strings.
+
+`IncrementalDetokenizer` decodes a sliding window of the ids: each step decodes the window
+`ids[start:]` and hands out the part of its text not handed out yet, less any trailing U+FFFD run (the
+decode of an unfinished UTF-8 character, whether its bytes come from byte-level BPE pieces or from
+byte-fallback tokens like `<0xE2>`), which waits for the tokens that complete it. Once everything decoded
+is out, the window moves up to the last token that carries text, so that token is the next step's
+context: decoders that treat the first token specially (SentencePiece's leading space, `Strip`) see the
+new tokens as not first, exactly as in a decode of the whole sequence. The last step (`final=True`)
+compares with one decode of every id and hands out the rest of it, so a finished stream's text is
+`tokenizer.decode(all_ids)` (transformers' clean-up of spaces included, when it applies: that text is
+held back by `CLEANUP_REACH` characters until the end, the farthest a later token can change it).
+
+One exception, for invalid UTF-8 only: `ByteFallback` (SentencePiece-style `<0xNN>` tokens) decodes a run
+of byte tokens all or nothing, so a run that starts with whole characters and then turns invalid decodes
+to one U+FFFD per byte in `decode(all_ids)`, while the stream has already sent the whole characters. Valid
+text, and byte-level BPE (decoded lossily byte by byte) in every case, end equal to `decode(all_ids)`.
+
+`StopStrings` applies stop strings to text deltas (serve's `TextStream` rule: a tail that could still
+grow into a stop string is held back, the text is cut before the first stop string, which is never sent);
+`HFTextStream` chains the two behind the interface of `raystate.serve.detokenize.TextStream`
+(`push(token_ids, final) -> str`, `text`, `stopped`).
+
+Works with any tokenizer that has `decode(ids, skip_special_tokens=...)`; an `HFTokenizer` is decoded
+through its `decode_raw` (no clean-up) window by window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from raystate.hf.tokenizer import CLEANUP_REACH, HFTokenizer, clean_up_tokenization
+
+REPLACEMENT = "\ufffd"
+
+
+def _trailing_replacements(text: str, start: int) -> int:
+    """How many U+FFFD end `text` (not counting before `start`)."""
+    n = 0
+    while len(text) - n > start and text[-1 - n] == REPLACEMENT:
+        n += 1
+    return n
+
+
+class IncrementalDetokenizer:
+    """Token ids in, complete text out: never half a character, and in the end `decode(all_ids)`."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        if isinstance(tokenizer, HFTokenizer):
+            self._decode_window = tokenizer.decode_raw
+            self._cleanup = tokenizer._cleanup_applies()
+        else:
+            self._decode_window = tokenizer.decode
+            self._cleanup = False
+        self.token_ids: list[int] = []
+        self._start = 0  # the window: token_ids[_start:]
+        self._window_out = 0  # characters of the window's text already taken into _raw
+        self._raw = ""  # text taken from the windows (before any clean-up of spaces)
+        self._sent = 0  # characters of the output text handed out
+        self._final: str | None = None  # the output text, once the last step has decided it
+        self.finished = False
+
+    @property
+    def text(self) -> str:
+        """The text handed out so far."""
+        return self._output()[: self._sent]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._decode_window(ids, skip_special_tokens=self._skip)
+
+    def _output(self) -> str:
+        if self._final is not None:
+            return self._final
+        return clean_up_tokenization(self._raw) if self._cleanup else self._raw
+
+    def push(self, token_ids: Iterable[int], final: bool = False) -> str:
+        """Takes the new ids; returns the text that is now complete ("" while a character is unfinished).
+        After `final=True` nothing more is taken."""
+        if self.finished:
+            return ""
+        new = [int(t) for t in token_ids]
+        self.token_ids.extend(new)
+        window = self._decode(self.token_ids[self._start :])
+        end = len(window)
+        if not final:
+            end -= _trailing_replacements(window, self._window_out)
+        if end > self._window_out:
+            self._raw += window[self._window_out : end]
+            self._window_out = end
+        if end == len(window) and not final:
+            self._slide()
+        out = self._output()
+        if final:
+            self.finished = True
+            whole = self._tokenizer.decode(self.token_ids, skip_special_tokens=self._skip)
+            if whole.startswith(out[: self._sent]):  # always, but for a decoder that rewrites earlier text
+                out = whole
+            self._final = out
+        safe = len(out) if final or not self._cleanup else max(self._sent, len(out) - CLEANUP_REACH)
+        delta = out[self._sent : safe]
+        self._sent = max(self._sent, safe)
+        return delta
+
+    def _slide(self) -> None:
+        """Moves the window up to the last token that decodes alone to whole characters (non-empty, no
+        U+FFFD): such a token starts and ends on character boundaries, so the window's text from it on
+        is the text of the whole sequence from it on. Looks back a few tokens only; past a run of tokens
+        that are textless (skipped specials) or parts of characters (byte-fallback runs, where
+        `ByteFallback` decodes each run of byte tokens as one unit) the window stays where it is."""
+        ids = self.token_ids
+        for start in range(len(ids) - 1, max(self._start, len(ids) - 9), -1):
+            text = self._decode(ids[start:])
+            if text and REPLACEMENT not in text:
+                self._start, self._window_out = start, len(text)
+                return
+
+
+class StopStrings:
+    """Text deltas in, text safe to send out; cut before the first stop string."""
+
+    def __init__(self, stop: list[str] | None = None) -> None:
+        self._stop = [s for s in (stop or []) if s]
+        self._longest = max((len(s) for s in self._stop), default=0)
+        self._text = ""  # everything received
+        self._sent = 0  # characters of _text handed out
+        self.stopped = False  # a stop string was found; nothing more is handed out
+
+    @property
+    def text(self) -> str:
+        return self._text[: self._sent]
+
+    def push(self, text: str, final: bool = False) -> str:
+        if self.stopped:
+            return ""
+        # A stop string can start at most (longest - 1) characters before the old end: earlier ones were
+        # looked for on earlier pushes (the text they would start in was held back, not sent).
+        search_from = max(self._sent, len(self._text) - self._longest + 1)
+        self._text += text
+        end = self._find_stop(search_from)
+        if end is not None:
+            self.stopped = True
+        elif final:
+            end = len(self._text)
+        else:
+            end = len(self._text) - self._held_back()
+        delta = self._text[self._sent : end]
+        self._sent = max(self._sent, end)
+        return delta
+
+    def _find_stop(self, start: int) -> int | None:
+        hits = [i for s in self._stop if (i := self._text.find(s, start)) >= 0]
+        return min(hits) if hits else None
+
+    def _held_back(self) -> int:
+        """Length of the longest unsent suffix that is a proper prefix of some stop string."""
+        unsent = len(self._text) - self._sent
+        for k in range(min(unsent, self._longest - 1), 0, -1):
+            tail = self._text[-k:]
+            if any(s.startswith(tail) for s in self._stop):
+                return k
+        return 0
+
+
+class HFTextStream:
+    """One streamed request's text: ids in, deltas out, stop strings applied; the interface of
+    `raystate.serve.detokenize.TextStream` on any tokenizer."""
+
+    def __init__(
+        self, tokenizer: Any, stop: list[str] | None = None, skip_special_tokens: bool = True
+    ) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self._stop = StopStrings(stop)
+
+    @property
+    def text(self) -> str:
+        """The text handed out so far (the completion's text once the request is done)."""
+        return self._stop.text
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.stopped
+
+    def push(self, token_ids: Iterable[int], final: bool = False) -> str:
+        """Decodes the new tokens and returns the text that is now safe to send ("" when none is)."""
+        if self._stop.stopped:
+            return ""
+        return self._stop.push(self._detok.push(token_ids, final=final), final=final)
