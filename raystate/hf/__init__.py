@@ -4,7 +4,7 @@ Built on `tokenizers` and `jinja2` only (no transformers, so no torch): the serv
 """
 
 from raystate.hf.chat_template import ChatTemplateError
-from raystate.hf.detokenize import HFTextStream, IncrementalDetokenizer, StopStrings
+from raystate.hf.detokenize import HFTextStream, IncrementalDetokenizer
 from raystate.hf.generation_config import GenerationDefaults, load_generation_defaults
 from raystate.hf.tokenizer import HFTokenizer
 
@@ -14,6 +14,5 @@ __all__ = [
     "HFTextStream",
     "HFTokenizer",
     "IncrementalDetokenizer",
-    "StopStrings",
     "load_generation_defaults",
 ]

@@ -16,9 +16,9 @@ of byte tokens all or nothing, so a run that starts with whole characters and th
 to one U+FFFD per byte in `decode(all_ids)`, while the stream has already sent the whole characters. Valid
 text, and byte-level BPE (decoded lossily byte by byte) in every case, end equal to `decode(all_ids)`.
 
-`StopStrings` applies stop strings to text deltas (serve's `TextStream` rule: a tail that could still
-grow into a stop string is held back, the text is cut before the first stop string, which is never sent);
-`HFTextStream` chains the two behind the interface of `raystate.serve.detokenize.TextStream`
+`HFTextStream` chains it with `raystate.serve.detokenize.StopStrings` (the stop-string rule that serve's
+byte `TextStream` uses: a tail that could still grow into a stop string is held back, the text is cut
+before the first stop string, which is never sent), behind the interface of that `TextStream`
 (`push(token_ids, final) -> str`, `text`, `stopped`).
 
 Works with any tokenizer that has `decode(ids, skip_special_tokens=...)`; an `HFTokenizer` is decoded
@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from raystate.hf.tokenizer import CLEANUP_REACH, HFTokenizer, clean_up_tokenization
+from raystate.serve.detokenize import StopStrings
 
 REPLACEMENT = "\ufffd"
 
@@ -116,52 +117,6 @@ class IncrementalDetokenizer:
             if text and REPLACEMENT not in text:
                 self._start, self._window_out = start, len(text)
                 return
-
-
-class StopStrings:
-    """Text deltas in, text safe to send out; cut before the first stop string."""
-
-    def __init__(self, stop: list[str] | None = None) -> None:
-        self._stop = [s for s in (stop or []) if s]
-        self._longest = max((len(s) for s in self._stop), default=0)
-        self._text = ""  # everything received
-        self._sent = 0  # characters of _text handed out
-        self.stopped = False  # a stop string was found; nothing more is handed out
-
-    @property
-    def text(self) -> str:
-        return self._text[: self._sent]
-
-    def push(self, text: str, final: bool = False) -> str:
-        if self.stopped:
-            return ""
-        # A stop string can start at most (longest - 1) characters before the old end: earlier ones were
-        # looked for on earlier pushes (the text they would start in was held back, not sent).
-        search_from = max(self._sent, len(self._text) - self._longest + 1)
-        self._text += text
-        end = self._find_stop(search_from)
-        if end is not None:
-            self.stopped = True
-        elif final:
-            end = len(self._text)
-        else:
-            end = len(self._text) - self._held_back()
-        delta = self._text[self._sent : end]
-        self._sent = max(self._sent, end)
-        return delta
-
-    def _find_stop(self, start: int) -> int | None:
-        hits = [i for s in self._stop if (i := self._text.find(s, start)) >= 0]
-        return min(hits) if hits else None
-
-    def _held_back(self) -> int:
-        """Length of the longest unsent suffix that is a proper prefix of some stop string."""
-        unsent = len(self._text) - self._sent
-        for k in range(min(unsent, self._longest - 1), 0, -1):
-            tail = self._text[-k:]
-            if any(s.startswith(tail) for s in self._stop):
-                return k
-        return 0
 
 
 class HFTextStream:

@@ -18,26 +18,31 @@ from collections.abc import Iterable
 from raystate.config import NUM_BYTES
 
 
-class TextStream:
+class StopStrings:
+    """Text deltas in, text safe to send out, cut before the first stop string. Shared by `TextStream`
+    (the byte tokenizer) and `raystate.hf.detokenize.HFTextStream` (a checkpoint's tokenizer)."""
+
     def __init__(self, stop: list[str] | None = None) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = [s for s in (stop or []) if s]
-        self._text = ""  # everything decoded so far
-        self._sent = 0  # characters of _text already handed out
-        self.stopped = False  # a stop string was found; nothing more will be handed out
+        self._longest = max((len(s) for s in self._stop), default=0)
+        self._text = ""  # everything received
+        self._sent = 0  # characters of _text handed out
+        self.stopped = False  # a stop string was found; nothing more is handed out
 
     @property
     def text(self) -> str:
         """The text handed out so far (the completion's text once the request is done)."""
         return self._text[: self._sent]
 
-    def push(self, token_ids: Iterable[int], final: bool = False) -> str:
-        """Decodes the new tokens and returns the text that is now safe to send ("" when none is)."""
+    def push(self, text: str, final: bool = False) -> str:
+        """Adds decoded text; returns the text that is now safe to send ("" when none is)."""
         if self.stopped:
             return ""
-        data = bytes(t for t in token_ids if 0 <= t < NUM_BYTES)
-        self._text += self._decoder.decode(data, final=final)
-        end = self._find_stop()
+        # A stop string can start at most (longest - 1) characters before the old end: earlier ones were
+        # looked for on earlier pushes (the text they would start in was held back, not sent).
+        search_from = max(self._sent, len(self._text) - self._longest + 1)
+        self._text += text
+        end = self._find_stop(search_from)
         if end is not None:
             self.stopped = True
         elif final:
@@ -48,17 +53,41 @@ class TextStream:
         self._sent = max(self._sent, end)
         return delta
 
-    def _find_stop(self) -> int | None:
-        """Start of the earliest stop string in the unsent text, if any."""
-        hits = [i for s in self._stop if (i := self._text.find(s, self._sent)) >= 0]
+    def _find_stop(self, start: int) -> int | None:
+        """Start of the earliest stop string at or after `start`, if any."""
+        hits = [i for s in self._stop if (i := self._text.find(s, start)) >= 0]
         return min(hits) if hits else None
 
     def _held_back(self) -> int:
         """Length of the longest unsent suffix that is a proper prefix of some stop string."""
         unsent = len(self._text) - self._sent
-        longest = max((len(s) - 1 for s in self._stop), default=0)
-        for k in range(min(unsent, longest), 0, -1):
+        for k in range(min(unsent, self._longest - 1), 0, -1):
             tail = self._text[-k:]
             if any(s.startswith(tail) for s in self._stop):
                 return k
         return 0
+
+
+class TextStream:
+    """Byte tokens in, text deltas out: an incremental UTF-8 decoder in front of `StopStrings`."""
+
+    def __init__(self, stop: list[str] | None = None) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = StopStrings(stop)
+
+    @property
+    def text(self) -> str:
+        """The text handed out so far (the completion's text once the request is done)."""
+        return self._stop.text
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string was found; nothing more will be handed out."""
+        return self._stop.stopped
+
+    def push(self, token_ids: Iterable[int], final: bool = False) -> str:
+        """Decodes the new tokens and returns the text that is now safe to send ("" when none is)."""
+        if self._stop.stopped:
+            return ""
+        data = bytes(t for t in token_ids if 0 <= t < NUM_BYTES)
+        return self._stop.push(self._decoder.decode(data, final=final), final=final)

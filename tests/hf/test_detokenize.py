@@ -7,9 +7,9 @@ import random
 import pytest
 from hf_checkpoint import TEXTS
 
-from raystate.hf import HFTextStream, HFTokenizer, IncrementalDetokenizer, StopStrings
+from raystate.hf import HFTextStream, HFTokenizer, IncrementalDetokenizer
 from raystate.hf.tokenizer import CLEANUP_REACH, clean_up_tokenization
-from raystate.serve.detokenize import TextStream
+from raystate.serve.detokenize import StopStrings, TextStream
 from raystate.tokenizer import ByteTokenizer
 
 STREAM_TEXTS = [*TEXTS, "".join(TEXTS), "😀" * 5 + "日本語" * 3 + "é" * 4]
