@@ -1,11 +1,12 @@
-"""End-to-end decode step of the `bench` model (~1B) on one GPU: CUDA graphs with and without async
-scheduling, and eager.
+"""End-to-end decode step of the `bench` model (~1B), or of any `--model` (a Hugging Face checkpoint
+folder), on one GPU: CUDA graphs with and without async scheduling, and eager.
 
 Measures, in one run: the two ceilings (device-to-device copy bandwidth, bf16 matmul rate), then a
 decode batch of B requests at C tokens of context through the in-process engine, and reports the decode
 step time against its floor: (weight bytes + KV bytes the step must read) / copy bandwidth.
 
     python3 bench/bench_decode.py [--batch 64] [--context 2048] [--steps 32] [--plot decode.png]
+    python3 bench/bench_decode.py --model /ckpt/qwen3-8b --context 4096 --configs "graphs + async"
 """
 
 from __future__ import annotations
@@ -74,7 +75,13 @@ def decode_floor_bytes(llm: LLM, batch: int, context: int) -> tuple[int, int]:
 
 
 def run(
-    graphs: bool, async_scheduling: bool, batch: int, context: int, steps: int, profile_steps: int = 0
+    graphs: bool,
+    async_scheduling: bool,
+    batch: int,
+    context: int,
+    steps: int,
+    profile_steps: int = 0,
+    model: str = "bench",
 ) -> tuple[list[float], LLM, list[list[int]], object]:
     """Decodes `steps` tokens for `batch` requests; returns the decode step times, the LLM, each request's
     tokens and, with profile_steps > 0, a torch.profiler run over that many steady decode steps (from
@@ -82,7 +89,7 @@ def run(
     max_len = context + steps + 16
     blocks = batch * (-(-max_len // 16) + 1) + 1
     llm = LLM(
-        model="bench",
+        model=model,
         device="cuda",
         backend="inprocess",
         cuda_graphs=graphs,
@@ -93,7 +100,8 @@ def run(
         max_num_batched_tokens=8192,
     )
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, context).tolist() for _ in range(batch)]
+    vocab = min(llm.config.model.vocab_size, 1000)
+    prompts = [rng.integers(0, vocab, context).tolist() for _ in range(batch)]
     engine = llm.engine
     params = SamplingParams(max_tokens=steps, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -142,6 +150,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--plot", default="", help="PNG of step time per configuration against the floor")
+    ap.add_argument("--model", default="bench", help="a named model or a checkpoint folder")
+    ap.add_argument("--configs", default="", help="comma-separated labels of CONFIGS to run (default: all)")
     ap.add_argument(
         "--profile", action="store_true", help="then profile 3 decode steps of the default (one more run)"
     )
@@ -153,9 +163,14 @@ def main() -> None:
     results = {}
     medians: dict[str, float] = {}
     floor = 0.0
+    chosen = [c.strip() for c in args.configs.split(",") if c.strip()]
     for label, graphs, async_scheduling, layout in CONFIGS:
+        if chosen and label not in chosen:
+            continue
         with step_variant(layout):
-            times, llm, toks, _ = run(graphs, async_scheduling, args.batch, args.context, args.steps)
+            times, llm, toks, _ = run(
+                graphs, async_scheduling, args.batch, args.context, args.steps, model=args.model
+            )
         weights, kv = decode_floor_bytes(llm, args.batch, args.context)
         floor = (weights + kv) / bw
         med = statistics.median(times[2:])
@@ -170,13 +185,15 @@ def main() -> None:
         )
         del llm
         torch.cuda.empty_cache()
-    base = results["eager"]
-    for label in medians:
+    base = results.get("eager")
+    for label in medians if base is not None else ():
         if label != "eager":
             same = sum(a == b for a, b in zip(results[label], base, strict=True))
             print(f"{label} vs eager: {same}/{args.batch} requests with identical tokens")
     if args.profile:
-        _, llm, _, prof = run(True, True, args.batch, args.context, args.steps, profile_steps=3)
+        _, llm, _, prof = run(
+            True, True, args.batch, args.context, args.steps, profile_steps=3, model=args.model
+        )
         print_profile(prof, 3, llm.engine.worker.model.config.layer_types, floor)
         del llm
     if args.plot:
@@ -261,7 +278,7 @@ def plot(path: str, medians: dict[str, float], floor: float, args, device: str) 
     ax.axhline(1.5 * floor * 1e3, color="tab:red", linestyle=":", label="goal: 1.5x the floor")
     ax.set_yscale("log")
     ax.set_ylabel("decode step (ms, log)")
-    ax.set_title(f"bench model, batch {args.batch}, {args.context} context, {device}")
+    ax.set_title(f"{args.model} model, batch {args.batch}, {args.context} context, {device}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

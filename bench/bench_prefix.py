@@ -180,7 +180,7 @@ def run_mode(mode: Mode, args, rounds: list[tuple[list[int], list[list[int]], li
     import torch
 
     from raystate import LLM
-    from raystate.config import ModelConfig
+    from raystate.engine_args import resolve_model
     from raystate.kv_layout import kv_block_bytes, kv_cache_group_specs
 
     max_len = args.prefix + args.new + args.gen + 16
@@ -188,7 +188,7 @@ def run_mode(mode: Mode, args, rounds: list[tuple[list[int], list[list[int]], li
     # One KV byte budget for every mode: every request of a round at once, the warm one and slack, in
     # every layer (what cache everything needs; the engine splits it across the groups per mode).
     elt = 2 if args.device == "cuda" else 4
-    groups = kv_cache_group_specs(ModelConfig.named(args.model), args.block_size, False)
+    groups = kv_cache_group_specs(resolve_model(args.model).config, args.block_size, False)
     budget = ((args.requests + 2) * per_req + 16) * sum(kv_block_bytes(g, elt) for g in groups)
     llm = LLM(
         model=args.model,

@@ -2,7 +2,7 @@
 # Everything that needs the GPU machine (one H200), in one call: the CUDA tests, then every GPU benchmark,
 # logs, JSON and plots into $OUT (or ./out). From the repo root, with .whl/ carried
 # (../shared/device/make-wheels.sh builds it):
-#   bash bench/gpu_run.sh [tests|dispatch|attention|gemm|kernels|decode|prefix|throughput ...]   # default: all
+#   bash bench/gpu_run.sh [tests|dispatch|attention|gemm|kernels|decode|prefix|throughput|hf ...]   # default: all
 set -o pipefail
 . bench/gpu_setup.sh || exit 1
 OUT=${OUT:-out}
@@ -34,6 +34,18 @@ for part in $parts; do
     prefix)
       timeout 300 python3 bench/bench_prefix.py --plot "$OUT/prefix.png" --json "$OUT/prefix.json" 2>&1 \
         | tee "$OUT/prefix.log" | tail -16 ;;
+    hf)  # Hugging Face families at real shapes (random weights): exactness, weight loading, decode, prefix
+      for shape in ${HF_SHAPES:-gemma3-4b qwen3-8b}; do
+        timeout 420 python3 bench/bench_hf_models.py --shape "$shape" --root /tmp/hf_ckpt \
+          --json "$OUT/hf_$shape.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/hf_$shape.log" | tail -6
+        timeout 300 python3 bench/bench_decode.py --model "/tmp/hf_ckpt/$shape" --batch 64 --context 4096 \
+          --steps 32 --configs "graphs + async" --plot "$OUT/decode_$shape.png" 2>&1 | tee "$OUT/decode_$shape.log" | tail -4
+      done
+      if [ -d /tmp/hf_ckpt/gemma3-4b ]; then
+        timeout 400 python3 bench/bench_prefix.py --model /tmp/hf_ckpt/gemma3-4b --requests 16 --prefix 8192 \
+          --pool-gib 40 --plot "$OUT/prefix_gemma3-4b.png" --json "$OUT/prefix_gemma3-4b.json" 2>&1 \
+          | tee "$OUT/prefix_gemma3-4b.log" | tail -16
+      fi ;;
     throughput)
       timeout 200 python3 bench/bench_throughput.py --plot "$OUT/throughput.png" --json "$OUT/throughput.json" 2>&1 \
         | tee "$OUT/throughput.log" | tail -25 ;;

@@ -1,7 +1,9 @@
-"""SwiGLU's gate: silu(gate) * up from the fused gate/up projection, in one launch.
+"""Gated MLP activations: act(gate) * up from the fused gate/up projection, in one launch.
 
 The MLP computes gate and up with one matmul into [T, 2I]; this kernel reads both halves and writes
-[T, I], where torch would launch a silu, a multiply and keep an intermediate. Computed in fp32, rounded once.
+[T, I], where torch would launch the activation, a multiply and keep an intermediate. Computed in fp32,
+rounded once. Two gates: SiLU (SwiGLU: Llama, Qwen, Mistral, OLMo) and GELU with the tanh approximation
+(GeGLU: Gemma).
 """
 
 from __future__ import annotations
@@ -12,10 +14,20 @@ import triton.language as tl
 
 from raystate.kernels._common import cdiv, use_triton
 
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def act_and_mul_ref(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:  # [T, 2I] -> [T, I]
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    if act == "silu":
+        gated = torch.nn.functional.silu(gate)
+    else:
+        gated = torch.nn.functional.gelu(gate, approximate="tanh")
+    return (gated * up).to(gate_up.dtype)
+
 
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+    return act_and_mul_ref(gate_up, "silu")
 
 
 @triton.jit
@@ -24,6 +36,7 @@ def _silu_and_mul_kernel(
     out_ptr,  # [T, I]
     gate_up_stride,
     width,  # I
+    GELU_TANH: tl.constexpr,  # False: silu
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -31,14 +44,30 @@ def _silu_and_mul_kernel(
     mask = cols < width
     gate = tl.load(gate_up_ptr + row * gate_up_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * gate_up_stride + width + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    if GELU_TANH:
+        # 0.5 x (1 + tanh(y)), y = sqrt(2 / pi) (x + 0.044715 x^3); tanh from exp(-2|y|), which never
+        # overflows
+        y = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        e = tl.exp(-2.0 * tl.abs(y))
+        tanh_abs = (1.0 - e) / (1.0 + e)
+        tanh = tl.where(y < 0, -tanh_abs, tanh_abs)
+        out = 0.5 * gate * (1.0 + tanh) * up
+    else:
+        out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    return act_and_mul(gate_up, "silu")
+
+
+def act_and_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """[T, 2I] (gate | up) -> act(gate) * up [T, I]; act is "silu" or "gelu_tanh"."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act: one of {ACTIVATIONS}, got {act!r}")
     if not use_triton(gate_up):
-        return silu_and_mul_ref(gate_up)
+        return act_and_mul_ref(gate_up, act)
     num_rows, two_width = gate_up.shape
     width = two_width // 2
     assert gate_up.stride(-1) == 1, "rows must be contiguous"
@@ -46,6 +75,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_rows:
         block = 1024
         _silu_and_mul_kernel[(num_rows, cdiv(width, block))](
-            gate_up, out, gate_up.stride(0), width, BLOCK=block
+            gate_up, out, gate_up.stride(0), width, GELU_TANH=act == "gelu_tanh", BLOCK=block
         )
     return out

@@ -20,13 +20,14 @@ def rms_norm_ref(
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]: added to x first
+    weight_offset: float = 0.0,  # the gain is weight + offset (Gemma's norms: 1 + w)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (normed [T, N], x + residual [T, N] or None)
     summed = None
     if residual is not None:
         x = summed = x + residual
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (x32 * weight.float()).to(x.dtype), summed
+    return (x32 * (weight.float() + weight_offset)).to(x.dtype), summed
 
 
 @triton.jit
@@ -40,6 +41,7 @@ def _rms_norm_kernel(
     residual_stride,
     num_cols,
     eps,
+    weight_offset,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -55,16 +57,21 @@ def _rms_norm_kernel(
     x32 = x.to(tl.float32)
     mean_sq = tl.sum(x32 * x32, axis=0) / num_cols
     inv_rms = 1.0 / tl.sqrt(mean_sq + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
     tl.store(out_ptr + row * num_cols + cols, (x32 * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(norm(x + residual) * weight, x + residual), or (norm(x) * weight, None) without a residual."""
+    """(norm(x + residual) * (weight + offset), x + residual), or (norm(x) * (weight + offset), None)
+    without a residual."""
     if not use_triton(x):
-        return rms_norm_ref(x, weight, eps, residual)
+        return rms_norm_ref(x, weight, eps, residual, weight_offset)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     num_rows, num_cols = x2.shape
@@ -87,6 +94,7 @@ def rms_norm(
             res2.stride(0),
             num_cols,
             eps,
+            weight_offset,
             HAS_RESIDUAL=residual is not None,
             BLOCK=next_pow2(num_cols),
         )

@@ -1,6 +1,6 @@
 """The `raystate` command line (`python -m raystate` is the same).
 
-raystate serve [--host 127.0.0.1] [--port 8000] [--model tiny] [--num-shards 1] [--api-key KEY]
+raystate serve [--host 127.0.0.1] [--port 8000] [--model tiny|FOLDER|HUB_ID] [--num-shards 1] [--api-key KEY]
                [--allowed-host HOST] [--cors-origin ORIGIN] [--header-timeout-s 5] [--body-timeout-s 10]
                [--shutdown-grace-s 30] [--backend ray|inprocess] [engine flags: --device cuda
                --max-num-seqs 64 --block-size 16 ... (every EngineArgs field; serve --help lists them)]
@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from raystate.engine_args import BACKENDS, EngineArgs, knobs
+from raystate.engine_args import BACKENDS, EngineArgs, knobs, resolve_model
 
 DEFAULT_PROMPTS = [
     "The sliding window keeps",
@@ -34,12 +34,15 @@ def _generate(args: argparse.Namespace) -> int:
     from raystate import LLM, SamplingParams
 
     llm = LLM(model=args.model, device=args.device, seed=args.seed, backend=args.backend)
+    # Unset flags: the model's defaults (a checkpoint's generation_config.json; else greedy).
+    defaults = llm.get_default_sampling_params()
+    temperature = defaults.temperature if args.temperature is None else args.temperature
     params = SamplingParams(
         max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed if args.temperature > 0 else None,
+        temperature=temperature,
+        top_p=defaults.top_p if args.top_p is None else args.top_p,
+        top_k=defaults.top_k if args.top_k is None else args.top_k,
+        seed=args.seed if temperature > 0 else None,
     )
     prompts = args.prompt or DEFAULT_PROMPTS
     t0 = time.perf_counter()
@@ -54,9 +57,17 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"    output: {o.text!r}")
         print(f"    tokens: {len(o.token_ids)}  finish: {o.finish_reason}  cached: {o.num_cached_tokens}")
     print(
-        f"[raystate] model={args.model} device={args.device}: {len(outs)} prompts, {n} tokens in {dt:.2f} s"
+        f"[raystate] model={args.model} ({describe_model(llm.config.model)}) device={args.device}: "
+        f"{len(outs)} prompts, {n} tokens in {dt:.2f} s"
     )
     return 0
+
+
+def describe_model(model) -> str:
+    """A model's family and length limit, for what the CLI prints: "qwen3, max_model_len 40960"."""
+    arch = model.architecture
+    family = "raystate reference hybrid" if arch == "raystate_hybrid" else f"Hugging Face {arch}"
+    return f"{family}, max_model_len {model.max_model_len}"
 
 
 def _curl_example(url: str, model: str, api_key: str | None) -> str:
@@ -226,7 +237,8 @@ def _serve(args: argparse.Namespace) -> int:
         **({"cors_allow_methods": _words(args.cors_method)} if args.cors_method else {}),
         **({"cors_allow_headers": _words(args.cors_header)} if args.cors_header else {}),
     )
-    app = build_app(app_args)  # validates the arguments before Ray starts
+    app = build_app(app_args)  # validates the arguments (and resolves the model) before Ray starts
+    model = resolve_model(args.model, args.max_model_len).config
     if local:
         # Like the key: Serve's proxy actor, started by the local Ray, inherits the environment.
         os.environ.update(_header_timeout_env(args.header_timeout_s))
@@ -242,7 +254,10 @@ def _serve(args: argparse.Namespace) -> int:
         serve.run(app, name=args.name, route_prefix="/", blocking=False)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         url = f"http://{host}:{args.port}"
-        print(f"raystate: serving model {args.model!r} ({args.backend} backend, {args.num_shards} shard(s))")
+        print(
+            f"raystate: serving model {args.model!r} ({describe_model(model)}; {args.backend} backend, "
+            f"{args.num_shards} shard(s))"
+        )
         print(f"raystate: OpenAI API at {url}/v1  (health: {url}/health, metrics: {url}/metrics)")
         if args.host in ("0.0.0.0", "::"):
             print("raystate: listening on every interface" + ("" if api_key else " WITHOUT an API key"))
@@ -412,14 +427,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one-off prompts and print it")
     g.add_argument(
-        "--model", default="tiny", help="a named model (tiny, bench) or a save_pretrained directory"
+        "--model",
+        default="tiny",
+        help="a named model (tiny, bench), a Hugging Face checkpoint folder or hub id, or a saved raystate "
+        "model",
     )
     g.add_argument("--device", default="cpu")
     g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: three samples")
     g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--temperature", type=float, help="default: the model's (greedy for tiny and bench)")
+    g.add_argument("--top-p", type=float, help="default: the model's (1: off)")
+    g.add_argument("--top-k", type=int, help="default: the model's (0: off)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
         "--backend",

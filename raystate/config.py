@@ -30,9 +30,50 @@ def _check(ok: bool, field_name: str, limit: str, got: object) -> None:
         raise InvalidRequest(field_name, limit, got)
 
 
+RopeType = Literal["default", "linear", "llama3", "yarn"]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of one layer type: its base and, for long-context variants, how the frequencies are
+    rescaled (the `rope_type`s of Hugging Face configs that we implement; `raystate.model.rope` computes
+    them as transformers does, bit for bit in fp32)."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0  # linear, llama3, yarn
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 0  # llama3, yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: round the correction range outward
+    attention_factor: float = 1.0  # yarn: cos and sin are both scaled by it
+
+    def __post_init__(self) -> None:
+        _check(
+            self.rope_type in ("default", "linear", "llama3", "yarn"),
+            "rope_type",
+            "one of default, linear, llama3, yarn",
+            self.rope_type,
+        )
+        _check(self.theta > 0, "rope_theta", "> 0", self.theta)
+        _check(self.factor > 0, "rope factor", "> 0", self.factor)
+        if self.rope_type in ("llama3", "yarn"):
+            _check(
+                self.original_max_position_embeddings > 0,
+                "original_max_position_embeddings",
+                f"> 0 for rope_type {self.rope_type}",
+                self.original_max_position_embeddings,
+            )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the reference hybrid model (`raystate.model.TinyHybrid`)."""
+    """Shape of a model: our reference hybrid (`architecture` "raystate_hybrid", `raystate.model.TinyHybrid`)
+    or a Hugging Face dense decoder family (`raystate.model.DecoderLM`; `raystate.hf.model_config` builds it
+    from config.json). The fields after `seed` only matter to the Hugging Face families; their defaults are
+    the reference model's (no biases, pre-norm, SwiGLU, one rope for every layer)."""
 
     name: str = "tiny"
     vocab_size: int = BYTE_VOCAB_SIZE
@@ -57,6 +98,28 @@ class ModelConfig:
     eos_token_id: int = EOS_ID
     pad_token_id: int = PAD_ID
     seed: int = 0
+    # Which forward: "raystate_hybrid", or the Hugging Face family whose numerics the fields below describe
+    # ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3_text", "olmo3").
+    architecture: str = "raystate_hybrid"
+    attention_bias: bool = False  # q, k, v projections have a bias
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    # RMSNorm of q and k before the rotation: "none"; "head", over each head (Qwen3, Gemma 3); "projection",
+    # over the whole q or k projection (OLMo 3).
+    qk_norm: str = "none"
+    # Where the norms sit: "pre" (input and post-attention norms, Llama); "sandwich" (four per layer: before
+    # and after attention and the MLP, Gemma 3); "post" (after attention and after the MLP only, OLMo 3).
+    norm_layout: str = "pre"
+    norm_weight_offset: float = 0.0  # Gemma: x * (1 + w)
+    embed_scale: float = 1.0  # Gemma: sqrt(hidden), rounded to the weights' dtype as the original does
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    hidden_act: str = "silu"  # the MLP gate: "silu" or "gelu_tanh"
+    tie_word_embeddings: bool = False
+    # Per layer type; None: the default rope with `rope_theta` (the reference model).
+    rope_full: RopeConfig | None = None
+    rope_sliding: RopeConfig | None = None
+    # More ids that end a sequence, besides eos_token_id (a generation_config.json may list several).
+    extra_eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check(self.hidden_size > 0, "hidden_size", "> 0", self.hidden_size)
@@ -76,6 +139,26 @@ class ModelConfig:
                 0 <= lid < len(self.layer_types), "engram_layer_ids", f"in [0, {len(self.layer_types)})", lid
             )
         _check(self.max_model_len >= 2, "max_model_len", ">= 2", self.max_model_len)
+        _check(
+            self.qk_norm in ("none", "head", "projection"),
+            "qk_norm",
+            "none, head or projection",
+            self.qk_norm,
+        )
+        _check(
+            self.norm_layout in ("pre", "sandwich", "post"),
+            "norm_layout",
+            "pre, sandwich or post",
+            self.norm_layout,
+        )
+        _check(self.hidden_act in ("silu", "gelu_tanh"), "hidden_act", "silu or gelu_tanh", self.hidden_act)
+        if self.architecture != "raystate_hybrid":
+            _check(
+                not self.engram_layer_ids,
+                "engram_layer_ids",
+                "empty for a Hugging Face family",
+                self.engram_layer_ids,
+            )
 
     @property
     def num_layers(self) -> int:
@@ -83,8 +166,19 @@ class ModelConfig:
 
     @property
     def token_lookback_depth(self) -> int:
-        """D = N - 1: ids before a chunk start that the engram hash needs."""
-        return self.engram_max_ngram - 1
+        """D = N - 1: ids before a chunk start that the engram hash needs; 0 without engram layers (no
+        lookback buffer is gathered)."""
+        return self.engram_max_ngram - 1 if self.engram_layer_ids else 0
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence: eos_token_id first, then the extra ones."""
+        return (self.eos_token_id, *(i for i in self.extra_eos_token_ids if i != self.eos_token_id))
+
+    def rope_for(self, layer_type: str) -> RopeConfig:
+        """The rotary embedding of a layer type ("sliding" or "full")."""
+        rope = self.rope_sliding if layer_type == "sliding" else self.rope_full
+        return rope if rope is not None else RopeConfig(theta=self.rope_theta)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -93,6 +187,9 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in known}
+        for key in ("rope_full", "rope_sliding"):
+            if isinstance(kw.get(key), dict):
+                kw[key] = RopeConfig(**kw[key])
         return cls(**kw)
 
     @classmethod

@@ -18,7 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from raystate.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from raystate.config import NAMED_MODELS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from raystate.errors import InvalidRequest
 from raystate.tokenizer import ByteTokenizer
 
@@ -35,28 +35,77 @@ class ResolvedModel:
     """What a model word stands for: the model's shape, where its weights are, which tokenizer it uses."""
 
     config: ModelConfig
-    path: str | None = None  # a save_pretrained directory; None: weights drawn from `config.seed`
-    tokenizer: str = "byte"  # "byte": ByteTokenizer, the only tokenizer of the models served today
+    path: str | None = None  # a checkpoint folder; None: weights drawn from `config.seed`
+    # "byte": ByteTokenizer (the reference models); otherwise the folder holding tokenizer.json
+    tokenizer: str = "byte"
+    dtype: str | None = None  # the checkpoint's own dtype (what dtype="auto" takes on CUDA); None: unknown
+
+    @property
+    def is_hf(self) -> bool:
+        return self.config.architecture != "raystate_hybrid"
 
 
-def resolve_model(model: str) -> ResolvedModel:
+def resolve_model(model: str, max_model_len: int | None = None) -> ResolvedModel:
     """A model word -> its ModelConfig, weights path and tokenizer choice: a named config ("tiny",
-    "bench") or a save_pretrained directory (one holding config.json).
+    "bench"), a folder holding a config.json (a Hugging Face checkpoint, or one of our own saves), or a
+    Hugging Face hub id (downloaded once into the hub cache, where the network allows).
 
-    The one place a `--model` / `model=` is interpreted. Hugging Face checkpoints (a local folder or a hub
-    id, their config's max_model_len and dtype) resolve here too, when they are supported.
+    The one place a `--model` / `model=` is interpreted. `max_model_len` replaces the model's own limit.
     """
-    if os.path.isfile(os.path.join(model, MODEL_CONFIG_FILE)):
-        with open(os.path.join(model, MODEL_CONFIG_FILE)) as f:
-            return ResolvedModel(ModelConfig.from_dict(json.load(f)), path=model)
-    return ResolvedModel(ModelConfig.named(model))
+    if model in NAMED_MODELS:
+        resolved = ResolvedModel(ModelConfig.named(model))
+    elif os.path.isfile(os.path.join(model, MODEL_CONFIG_FILE)):
+        resolved = _resolve_folder(model)
+    elif os.path.exists(model):
+        raise InvalidRequest(
+            "model",
+            f"a named model ({', '.join(sorted(NAMED_MODELS))}) or a folder holding {MODEL_CONFIG_FILE}",
+            model,
+        )
+    else:
+        from raystate.hf.hub import looks_like_hub_id, resolve_checkpoint_folder
+
+        if not looks_like_hub_id(model):
+            raise InvalidRequest(
+                "model",
+                f"a named model ({', '.join(sorted(NAMED_MODELS))}), a checkpoint folder or a hub id",
+                model,
+            )
+        resolved = _resolve_folder(str(resolve_checkpoint_folder(model)), name=model)
+    if max_model_len is not None:
+        resolved = dataclasses.replace(
+            resolved, config=dataclasses.replace(resolved.config, max_model_len=max_model_len)
+        )
+    return resolved
 
 
-def load_tokenizer(model: ResolvedModel) -> ByteTokenizer:
-    """The tokenizer `resolve_model` chose for the model."""
-    if model.tokenizer != "byte":
-        raise InvalidRequest("tokenizer", "'byte'", model.tokenizer)
-    return ByteTokenizer()
+def _resolve_folder(folder: str, name: str | None = None) -> ResolvedModel:
+    with open(os.path.join(folder, MODEL_CONFIG_FILE)) as f:
+        cfg = json.load(f)
+    from raystate.hf.model_config import config_dtype, is_hf_config, model_config_from_hf
+
+    if not is_hf_config(cfg):  # one of our own saves (raystate.model.save_pretrained)
+        return ResolvedModel(ModelConfig.from_dict(cfg), path=folder)
+    from raystate.hf.generation_config import load_generation_defaults
+
+    config = model_config_from_hf(cfg, name=name or os.path.basename(os.path.normpath(folder)))
+    # Every id that ends a sequence: config.json's, then generation_config.json's (Llama 3 and Gemma 3
+    # list several there).
+    eos = [i for i in config.eos_token_ids if i >= 0]
+    eos += [i for i in load_generation_defaults(folder).eos_token_ids if i not in eos]
+    if eos:
+        config = dataclasses.replace(config, eos_token_id=eos[0], extra_eos_token_ids=tuple(eos[1:]))
+    return ResolvedModel(config, path=folder, tokenizer=folder, dtype=config_dtype(cfg))
+
+
+def load_tokenizer(model: ResolvedModel):
+    """The tokenizer `resolve_model` chose for the model: ByteTokenizer or the checkpoint's
+    (`raystate.hf.HFTokenizer`)."""
+    if model.tokenizer == "byte":
+        return ByteTokenizer()
+    from raystate.hf import HFTokenizer
+
+    return HFTokenizer.from_pretrained(model.tokenizer)
 
 
 def _knob(default: Any, help: str) -> Any:
@@ -69,7 +118,10 @@ class EngineArgs:
     """The knobs a user sets, flat, with the defaults every front end shares. No checks here: the configs
     `build_engine_config` builds check every value (errors name the field and the limit)."""
 
-    model: str = _knob("tiny", "a named model (tiny, bench) or a save_pretrained directory")
+    model: str = _knob(
+        "tiny",
+        "a named model (tiny, bench), a Hugging Face checkpoint folder or hub id, or a saved raystate model",
+    )
     max_model_len: int | None = _knob(
         None, "longest request (prompt + output) in tokens (default: the model's)"
     )
@@ -134,6 +186,9 @@ def build_engine_config(args: EngineArgs, model: ResolvedModel | None = None) ->
     model_config = model.config
     if args.max_model_len is not None:
         model_config = dataclasses.replace(model_config, max_model_len=args.max_model_len)
+    dtype = args.dtype
+    if dtype == "auto" and model.dtype in ("bfloat16", "float16") and args.device != "cpu":
+        dtype = model.dtype  # a checkpoint runs in its own half dtype on CUDA (float32 ones in bf16)
     return EngineConfig(
         model=model_config,
         cache=CacheConfig(
@@ -150,7 +205,7 @@ def build_engine_config(args: EngineArgs, model: ResolvedModel | None = None) ->
             long_prefill_token_threshold=args.long_prefill_token_threshold,
         ),
         device=args.device,
-        dtype=args.dtype,
+        dtype=dtype,
         seed=args.seed,
         cuda_graphs=args.cuda_graphs,
         async_scheduling=args.async_scheduling,

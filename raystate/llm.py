@@ -4,14 +4,22 @@
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
     llm.shutdown()
 
+    llm = LLM(model="/models/Qwen3-0.6B")  # a Hugging Face checkpoint folder or hub id
+    outs = llm.chat([{"role": "user", "content": "Hi!"}])  # its chat template and generation defaults
+
 Arguments mirror what a vLLM user expects: the engine's knobs are `raystate.engine_args.EngineArgs`, validated
-once here into a frozen `EngineConfig` by the builder every front end shares.
+once here into a frozen `EngineConfig` by the builder every front end shares. Text goes through the
+model's own tokenizer (`raystate.serve.text.ModelText`, shared with the OpenAI server): prompt strings are
+encoded with the special tokens it adds, output text is decoded with special tokens skipped, and
+`generate` without sampling params uses `get_default_sampling_params()` (the checkpoint's
+generation_config.json sampling fields over our defaults).
 """
 
 from __future__ import annotations
 
 import itertools
 import queue
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,11 +30,11 @@ from raystate.engine_args import (
     Backend,
     EngineArgs,
     build_engine_config,
-    load_tokenizer,
     resolve_model,
 )
 from raystate.errors import InvalidRequest
 from raystate.messages import SamplingParams
+from raystate.serve.text import load_model_text
 
 
 @dataclass
@@ -71,7 +79,8 @@ class LLM:
         args = EngineArgs(model=model, **engine_args)
         resolved = resolve_model(args.model)
         self.config = build_engine_config(args, resolved)
-        self.tokenizer = load_tokenizer(resolved)
+        self.text = load_model_text(resolved, model)
+        self.tokenizer = self.text.tokenizer
         self._ids = itertools.count()
         self.backend = backend
         self.engine = None  # the in-process engine
@@ -105,12 +114,39 @@ class LLM:
         if prompts is not None:
             if isinstance(prompts, str):
                 prompts = [prompts]
-            return [(p, self.tokenizer.encode(p)) for p in prompts]
+            return [(p, self.text.encode(p)) for p in prompts]
         if prompt_token_ids is None:
             raise InvalidRequest("prompts", "a string, a list of strings or prompt_token_ids", None)
         if prompt_token_ids and isinstance(prompt_token_ids[0], int):
             prompt_token_ids = [prompt_token_ids]
         return [(None, list(ids)) for ids in prompt_token_ids]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling params `generate` and `chat` use when given none: `SamplingParams()` with the
+        fields the checkpoint's generation_config.json sets (temperature, top_p, top_k; max_tokens from
+        max_new_tokens) in place of ours, as vLLM's method of that name. The byte models: SamplingParams()."""
+        return self.text.default_sampling_params()
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates a reply to each conversation (one list of `{"role", "content"}` messages, or a list of
+        them), rendered with the model's chat template exactly as the OpenAI server renders a
+        /v1/chat/completions request. A template that refuses a conversation, or a model without one,
+        raises InvalidRequest naming `messages`. Each output's `prompt` is the rendered prompt text."""
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise InvalidRequest("messages", "a conversation or a list of conversations", messages)
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        items = []
+        for conversation in conversations:
+            if isinstance(conversation, str) or not isinstance(conversation, Sequence):
+                raise InvalidRequest("messages", "lists of message objects", conversation)
+            items.append(self.text.chat_prompt(conversation, add_generation_prompt=add_generation_prompt))
+        return self._run(items, sampling_params, use_tqdm)
 
     def generate(
         self,
@@ -133,9 +169,16 @@ class LLM:
             if sampling_params is not None:
                 raise InvalidRequest("sampling_params", "given once", "twice")
             prompt_token_ids, sampling_params = None, prompt_token_ids
-        items = self._prompts(prompts, prompt_token_ids)
+        return self._run(self._prompts(prompts, prompt_token_ids), sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        items: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
         if len(params) != len(items):
             raise InvalidRequest("sampling_params", f"one per prompt ({len(items)})", len(params))
@@ -189,7 +232,7 @@ class LLM:
     def _finish(self, outputs: dict[str, RequestOutput], order: list[str], bar) -> list[RequestOutput]:
         bar.close()
         for out in outputs.values():
-            out.text = self.tokenizer.decode(out.token_ids)
+            out.text = self.text.decode(out.token_ids)
         return [outputs[r] for r in order]
 
 

@@ -4,6 +4,7 @@ Imports torch and raystate.kernels; never ray, the scheduler or message types.
 """
 
 from raystate.model.attention import Attention, ForwardMetadata, GroupMetadata
+from raystate.model.decoder_lm import DecoderLM
 from raystate.model.engram import (
     Engram,
     EngramHashConstants,
@@ -17,6 +18,7 @@ from raystate.model.weights import empty_model, init_weights, is_model_dir, load
 
 __all__ = [
     "Attention",
+    "DecoderLM",
     "DecoderLayer",
     "Engram",
     "EngramHashConstants",

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from raystate.config import RopeConfig
 from raystate.kernels import paged_attention
 from raystate.kernels.rotary import rope_write_kv
-from raystate.model.layers import apply_rotary
+from raystate.model.layers import RMSNorm, apply_rotary
 
 
 @dataclass
@@ -40,8 +41,11 @@ class Attention(nn.Module):
     """One q/k/v projection, RoPE at absolute positions fused with the paged KV store, one paged attention
     launch, the output projection.
 
-    `project_qkv` is split out so the dense oracle (`raystate.model.reference`) runs the very same
-    projection and rotation (in plain torch) and differs only in how keys are stored and read.
+    The families differ in small ways, all set here: biases on q/k/v (Qwen2) and on the output, RMSNorm
+    of q and k before the rotation, per head (Qwen3, Gemma 3) or over the whole projection (OLMo 3), and
+    the softmax scale (Gemma 3's query_pre_attn_scalar). `project_qkv` is split out so the dense oracle
+    (`raystate.model.reference`) runs the very same projection, norms and rotation (in plain torch) and
+    differs only in how keys are stored and read.
     """
 
     def __init__(
@@ -50,18 +54,48 @@ class Attention(nn.Module):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        rope_theta: float,
+        rope: RopeConfig | float,
         sliding_window: int,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: str = "none",
+        norm_eps: float = 1e-6,
+        norm_weight_offset: float = 0.0,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.rope_theta = rope_theta
+        self.rope = rope if isinstance(rope, RopeConfig) else RopeConfig(theta=rope)
         self.sliding_window = sliding_window  # 0 = full attention
-        self.scale = head_dim**-0.5
-        self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.qk_norm = qk_norm
+        if qk_norm != "none":
+            q_dim, k_dim = (
+                (head_dim, head_dim) if qk_norm == "head" else (num_heads * head_dim, num_kv_heads * head_dim)
+            )
+            self.q_norm = RMSNorm(q_dim, norm_eps, norm_weight_offset)
+            self.k_norm = RMSNorm(k_dim, norm_eps, norm_weight_offset)
+
+    def _qkv(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, (H + 2 H_kv) * head_dim]
+        """The projection, with q and k normalised when the family norms them (before any rotation)."""
+        qkv = self.qkv_proj(hidden)
+        if self.qk_norm == "none":
+            return qkv
+        num_tokens = hidden.shape[0]
+        q_width, k_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_width, k_width, k_width], dim=-1)
+        if self.qk_norm == "head":
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, q_width)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, k_width)
+        else:
+            q = self.q_norm(q.contiguous())
+            k = self.k_norm(k.contiguous())
+        return torch.cat((q, k, v), dim=-1)
 
     def project_qkv(
         self,
@@ -70,9 +104,9 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns q [T, H, head_dim], k and v [T, H_kv, head_dim]; q and k rotated."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = self._qkv(hidden).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        return apply_rotary(q, positions, self.rope_theta), apply_rotary(k, positions, self.rope_theta), v
+        return apply_rotary(q, positions, self.rope), apply_rotary(k, positions, self.rope), v
 
     def forward(
         self,
@@ -81,7 +115,7 @@ class Attention(nn.Module):
         attn_metadata: ForwardMetadata,
         group: GroupMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, H_kv, head_dim]
-        cos_sin: torch.Tensor,  # fp32 [max_positions, head_dim]: `rotary_table` of this layer's theta
+        cos_sin: torch.Tensor,  # fp32 [max_positions, head_dim]: `rotary_table` of this layer's rope
     ) -> torch.Tensor:  # [T, hidden]
         if group.sliding_window != self.sliding_window:
             raise ValueError(
@@ -90,7 +124,7 @@ class Attention(nn.Module):
             )
         k_cache, v_cache = kv_cache
         q = rope_write_kv(
-            self.qkv_proj(hidden),
+            self._qkv(hidden),
             positions,
             cos_sin,
             self.num_heads,

@@ -12,56 +12,29 @@ from torch import nn
 
 from raystate.kernels.activation import silu_and_mul
 from raystate.kernels.norm import rms_norm
+from raystate.model.rope import apply_rotary, rotary_table
+
+__all__ = ["RMSNorm", "SwiGLU", "TokenEmbedding", "apply_rotary", "rotary_table"]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """x / rms(x) * (weight + weight_offset), in fp32. Gemma stores its gains as w for a gain of 1 + w
+    (offset 1); the offset is added in fp32 in the kernel, never folded into a bf16 weight."""
+
+    def __init__(self, dim: int, eps: float, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
+        self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
-        return rms_norm(x, self.weight, self.eps)[0]
+        return rms_norm(x, self.weight, self.eps, None, self.weight_offset)[0]
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(x + residual), x + residual), each [T, dim]
         """The residual add before the norm, fused with it (one launch on the GPU)."""
-        return rms_norm(x, self.weight, self.eps, residual)
-
-
-def apply_rotary(
-    x: torch.Tensor,  # [T, H, head_dim]
-    positions: torch.Tensor,  # int64 [T]: absolute positions in the sequence
-    theta: float,
-) -> torch.Tensor:
-    """Rotates the two halves of each head by angles position * theta^(-2i/head_dim).
-
-    Angles come from absolute positions, so a token's key is the same whichever chunk computed it: that is
-    what lets a chunked, paged forward reuse cached keys. The frequencies are built on the fly (a handful
-    of elements) rather than kept as a buffer that `.to(bfloat16)` would round.
-    """
-    half = x.shape[-1] // 2
-    exponents = torch.arange(0, half, device=x.device, dtype=torch.float32) * (2.0 / x.shape[-1])
-    inv_freq = theta ** (-exponents)  # fp32 [half]
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # fp32 [T, half]
-    cos = angles.cos()[:, None, :]  # [T, 1, half]
-    sin = angles.sin()[:, None, :]
-    x32 = x.float()
-    x1, x2 = x32[..., :half], x32[..., half:]
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return rotated.to(x.dtype)
-
-
-def rotary_table(head_dim: int, theta: float, max_positions: int, device: torch.device) -> torch.Tensor:
-    """fp32 [max_positions, head_dim]: cos of each position's angles, then sin, computed exactly as
-    `apply_rotary` computes them, so a kernel reading the table rotates by bitwise the same values."""
-    half = head_dim // 2
-    exponents = torch.arange(0, half, device=device, dtype=torch.float32) * (2.0 / head_dim)
-    inv_freq = theta ** (-exponents)  # fp32 [half]
-    positions = torch.arange(max_positions, device=device, dtype=torch.int64)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # fp32 [P, half]
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
+        return rms_norm(x, self.weight, self.eps, residual, self.weight_offset)
 
 
 class SwiGLU(nn.Module):

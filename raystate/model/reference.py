@@ -1,4 +1,5 @@
-"""Dense, cache-free forwards of `TinyHybrid`: the oracles that paged and distributed runs are tested against.
+"""Dense, cache-free forwards of `TinyHybrid` and `DecoderLM`: the oracles that paged and distributed runs
+are tested against.
 
 Both run the model's own modules (embedding, engram fusion, projections, rotation, MLP, norms) but store
 no paged KV and call no paged kernel: attention is a plain masked softmax over explicit key lists, and the
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from raystate.kernels import engram_hash_ref
+from raystate.model.decoder_lm import DecoderLM
 from raystate.model.transformer import TinyHybrid
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # k, v: [L, H_kv, head_dim], position p at row p
@@ -42,13 +44,13 @@ def dense_attention(
     return torch.einsum("hqk,khd->qhd", probs, vals).to(q.dtype)
 
 
-def _as_ids(model: TinyHybrid, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+def _as_ids(model: TinyHybrid | DecoderLM, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     device = model.lm_head.weight.device
     return torch.as_tensor(token_ids, dtype=torch.int64, device=device).reshape(-1)
 
 
 def _truncated_forward(
-    model: TinyHybrid,
+    model: TinyHybrid | DecoderLM,
     ids: torch.Tensor,  # int64 [L]: the whole sequence
     start: int,  # compute positions [start, L)
     full_prefix_kv: list[LayerKV] | None,  # per layer; full layers read it for positions < prefix_len
@@ -64,17 +66,17 @@ def _truncated_forward(
     before = start - 1 - torch.arange(depth, device=device)  # newest first
     lookback = torch.where(before >= 0, ids[before.clamp(min=0)], -1).to(torch.int32)[None, :]  # [1, D]
     qsl = torch.tensor([0, seq_len - start], dtype=torch.int32, device=device)
-    hidden = model.embed(chunk)
+    hidden = model.embed_tokens(chunk)
     computed_kv: list[LayerKV] = []
     for layer in model.layers:
-        if layer.engram is not None:
+        if getattr(layer, "engram", None) is not None:
             e = layer.engram
             rows = engram_hash_ref(
                 chunk, qsl, lookback, e.compress, e.multipliers, e.primes, e.offsets, e.pad_id
             )  # int64 [Q, (N - 1) * H]
             hidden = e.fuse(hidden, rows)
         attn = layer.attn
-        q, k, v = attn.project_qkv(layer.input_norm(hidden), positions)
+        q, k, v = attn.project_qkv(layer.attn_input(hidden), positions)
         computed_kv.append((k, v))
         keys, vals, k_pos = k, v, positions
         if attn.sliding_window == 0 and prefix_len > 0:
@@ -83,14 +85,13 @@ def _truncated_forward(
             vals = torch.cat([cold_v[:prefix_len].to(v.dtype), v[prefix_len - start :]])
             k_pos = torch.arange(seq_len, device=device)
         out = dense_attention(q, keys, vals, positions, k_pos, attn.scale, attn.sliding_window)
-        hidden = hidden + attn.o_proj(out.reshape(out.shape[0], -1))
-        hidden = hidden + layer.mlp(layer.post_attn_norm(hidden))
+        hidden = layer.after_attn(hidden, attn.o_proj(out.reshape(out.shape[0], -1)))
     return model.compute_logits(model.final_norm(hidden)), computed_kv
 
 
 @torch.no_grad()
 def dense_forward(
-    model: TinyHybrid, token_ids: Sequence[int] | torch.Tensor, return_kv: bool = False
+    model: TinyHybrid | DecoderLM, token_ids: Sequence[int] | torch.Tensor, return_kv: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, list[LayerKV]]:
     """A cold causal forward over positions 0..L-1 in one chunk (lookback all -1).
 
@@ -103,7 +104,7 @@ def dense_forward(
 
 @torch.no_grad()
 def replay_reference(
-    model: TinyHybrid,
+    model: TinyHybrid | DecoderLM,
     token_ids: Sequence[int] | torch.Tensor,
     hit_tokens: int,
     replay_start: int,

@@ -65,6 +65,15 @@ class DecoderLayer(nn.Module):
         normed, residual = self.post_attn_norm.add_and_norm(attn_out, residual)
         return self.mlp(normed), residual
 
+    def attn_input(self, stream: torch.Tensor) -> torch.Tensor:
+        """What the attention projects (the dense oracle's path)."""
+        return self.input_norm(stream)
+
+    def after_attn(self, stream: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The stream after the attention block and the MLP block, plainly (the dense oracle's path)."""
+        stream = stream + attn_out
+        return stream + self.mlp(self.post_attn_norm(stream))
+
 
 class TinyHybrid(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -84,6 +93,9 @@ class TinyHybrid(nn.Module):
             cfg = self.config
             table = self._cos_sin = rotary_table(cfg.head_dim, cfg.rope_theta, cfg.max_model_len, device)
         return table
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # int [T] -> [T, hidden]
+        return self.embed(input_ids)
 
     @property
     def token_lookback_depth(self) -> int:

@@ -112,14 +112,27 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     seed: int | None = None,
     config: ModelConfig | None = None,
-) -> TinyHybrid:
-    """A save_pretrained directory -> its config and weights; a named config -> weights drawn from `seed`.
+) -> torch.nn.Module:
+    """A save_pretrained directory -> its config and weights; a named config -> weights drawn from `seed`;
+    a Hugging Face checkpoint folder (or `config` of a Hugging Face family) -> `DecoderLM` with its weights.
 
     `config` overrides the config a name or directory gives (e.g. a shorter max_model_len); for a
     directory it must keep the saved shape. `seed` defaults to the config's seed.
     """
     dtype = _resolve_dtype(dtype)
     path = os.fspath(name_or_dir)
+    hf_config = config if config is not None and config.architecture != "raystate_hybrid" else None
+    if hf_config is None and is_model_dir(path):
+        from raystate.hf.model_config import is_hf_config, model_config_from_hf
+
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            raw = json.load(f)
+        if is_hf_config(raw):
+            hf_config = model_config_from_hf(raw, name=os.path.basename(os.path.normpath(path)))
+    if hf_config is not None:  # a Hugging Face checkpoint: DecoderLM, its safetensors
+        from raystate.model.hf_weights import load_hf_model
+
+        return load_hf_model(path, hf_config, device, dtype)[0]
     if is_model_dir(path):
         with open(os.path.join(path, CONFIG_FILE)) as f:
             saved = ModelConfig.from_dict(json.load(f))

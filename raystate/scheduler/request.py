@@ -71,6 +71,7 @@ class Request:
         sampling: SamplingParams,
         arrival: int,
         eos_token_id: int,
+        extra_eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.req_id = req_id
         self.sampling = sampling
@@ -99,7 +100,10 @@ class Request:
         # Finishing rules, resolved once: the length cap, EOS (-1 with ignore_eos) and the stop ids.
         self.max_num_tokens = self.num_prompt_tokens + sampling.max_tokens
         self.eos_token_id = -1 if sampling.ignore_eos else eos_token_id
-        self.stop_token_ids = frozenset(sampling.stop_token_ids)
+        # A model may end sequences on several ids (generation_config.json lists them): the extra ones
+        # finish a request exactly as EOS does.
+        extra_eos = () if sampling.ignore_eos else extra_eos_token_ids
+        self.stop_token_ids = frozenset((*sampling.stop_token_ids, *extra_eos))
 
     # -- token history ---------------------------------------------------------------------------------
 

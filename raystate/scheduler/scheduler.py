@@ -111,7 +111,9 @@ class Scheduler:
             raise InvalidRequest(
                 "max_tokens", f"<= {limit - n} ({why}; the prompt has {n})", sampling.max_tokens
             )
-        req = Request(req_id, tokens, sampling, self._next_arrival, model.eos_token_id)
+        req = Request(
+            req_id, tokens, sampling, self._next_arrival, model.eos_token_id, model.extra_eos_token_ids
+        )
         self._next_arrival += 1
         # Hash the prompt's full blocks once; admission, routing and registration reuse them.
         if self._prompt_hasher is not None:

@@ -7,6 +7,7 @@ zero-argument callable that returns a `Client`. The factory runs in the replica,
 the model) is imported where the application is built.
 
     serve run raystate.serve.app:build_app model=tiny num_shards=1
+    serve run raystate.serve.app:build_app model=/models/Qwen3-0.6B backend=inprocess
     serve run deploy/serve_config.yaml
 """
 
@@ -66,7 +67,9 @@ class AppArgs(_EngineFields):
 
     model_config = ConfigDict(extra="forbid")
 
-    served_model_name: str | None = None  # the id clients send as `model`; default: the model's name
+    # The id clients send as `model` and responses carry; default: the `model` word as given (a named
+    # model, a checkpoint folder or a hub id).
+    served_model_name: str | None = None
     backend: Backend = "ray"
     cluster_name: str = "raystate"  # the Ray backend's cluster: connected to if it runs, else started
     num_shards: int = Field(1, ge=1)
@@ -267,7 +270,9 @@ def make_app(args: dict[str, Any] | AppArgs | None = None, client_factory: Clien
     """`build_app` with an injected client: `client_factory` (programmatic use, tests) replaces the
     backend `args` describe; it must pickle, since it runs in the replica."""
     opts = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
+    model_name = opts.served_model_name
     if client_factory is None:
+        model_name = model_name or opts.model
         config = opts.engine_config()
         if opts.backend == "inprocess":
             client_factory = InProcessBackend(config)
@@ -300,7 +305,7 @@ def make_app(args: dict[str, Any] | AppArgs | None = None, client_factory: Clien
     }
     return deployment.bind(
         client_factory,
-        opts.served_model_name,
+        model_name,
         opts.api_key,
         opts.require_api_key,
         opts.max_body_bytes,

@@ -1,10 +1,11 @@
 """One request's run through a `Client`, as the OpenAI server sees it.
 
-`Generation` turns the request's `RequestUpdate`s into text deltas (through `TextStream`, which applies
-stop strings), records time to first token and inter-token gaps, and guarantees the request ends: unless
-the backend finished it, closing the generation aborts it, so its KV blocks go back to the pool at once
-(a client that disconnected, a stop string matched). `EventStream` ties a streamed response to its
-generation so that closing the stream always closes the request too.
+`Generation` turns the request's `RequestUpdate`s into text deltas (through the model's text stream:
+`TextStream` or `HFTextStream`, which apply stop strings), records time to first token and inter-token
+gaps, and guarantees the request ends: unless the backend finished it, closing the generation aborts it,
+so its KV blocks go back to the pool at once (a client that disconnected, a stop string matched).
+`EventStream` ties a streamed response to its generation so that closing the stream always closes the
+request too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from raystate.client import Client
 from raystate.errors import EngineDead, RequestFailed
@@ -51,7 +52,11 @@ class Delta(NamedTuple):
 class Generation:
     """One request's run through the client: deltas out, metrics in, abort on early exit."""
 
-    def __init__(self, client: Client, prep: Prepared, metrics: ServeMetrics, aborts: set) -> None:
+    def __init__(
+        self, client: Client, prep: Prepared, metrics: ServeMetrics, aborts: set, text: Any = None
+    ) -> None:
+        """`text`: the request's text stream (`push(ids, final) -> delta`, `text`, `stopped`), e.g.
+        `ModelText.text_stream(prep.stop)`; default: the byte model's `TextStream`."""
         self._client = client
         self._prep = prep
         self._metrics = metrics
@@ -60,7 +65,7 @@ class Generation:
         self._last_token_t: float | None = None
         self._updates = client.generate(prep.prompt_ids, prep.sampling, prep.request_id)
         self._first: RequestUpdate | None = None
-        self._text = TextStream(prep.stop)
+        self._text = text if text is not None else TextStream(prep.stop)
         self._done = False  # the backend finished the request (nothing to abort)
         self._closed = False
         self.token_ids: list[int] = []

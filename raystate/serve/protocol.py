@@ -337,7 +337,7 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions, rendered through the byte model's plain chat template."""
+    """POST /v1/chat/completions, rendered through the model's chat template (`ModelText.chat_prompt`)."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)

@@ -46,7 +46,7 @@ from raystate.serve.protocol import (
     dump_response,
     error_body,
 )
-from raystate.tokenizer import ByteTokenizer
+from raystate.serve.text import ModelText, model_text_for_config
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +115,24 @@ class RaystateServer:
     caller must `aclose()` when done with it."""
 
     def __init__(
-        self, client: Client, model_name: str | None = None, metrics: ServeMetrics | None = None
+        self,
+        client: Client,
+        model_name: str | None = None,
+        metrics: ServeMetrics | None = None,
+        text: ModelText | None = None,
     ) -> None:
+        """`model_name`: the id clients send as `model` and responses carry (default: the model's name).
+        `text`: the model's tokenizer and generation defaults (default: those of the model
+        `client.config` runs, `model_text_for_config`)."""
         self.client = client
         config = client.config
         self.model_name = model_name or config.model.name
         self.vocab_size = config.model.vocab_size
-        self.max_model_len = config.max_model_len
-        self.tokenizer = ByteTokenizer()
+        self.max_model_len = config.max_model_len  # the checkpoint's (or the max_model_len knob's)
+        self.text = text if text is not None else model_text_for_config(config, self.model_name)
+        self.tokenizer = self.text.tokenizer
+        # generation_config.json's sampling fields, for requests that leave them out
+        self.sampling_defaults = self.text.sampling_defaults()
         self.metrics = metrics or ServeMetrics()
         self._aborts: set[asyncio.Task] = set()
         # Shutdown drain (see `drain`): requests in progress, and the event loop time of the cut.
@@ -134,10 +144,11 @@ class RaystateServer:
     # -- request preparation --------------------------------------------------------------------------
 
     def _encode(self, text: str, field: str) -> list[int]:
-        """BOS + the text's tokens; text the tokenizer refuses (a lone surrogate) is a 400 naming `field`.
-        The ingress refuses such text before this (load_body); this keeps other front ends safe too."""
+        """The text's tokens, with the special tokens the tokenizer adds (BOS); text the tokenizer refuses
+        (a lone surrogate) is a 400 naming `field`. The ingress refuses such text before this (load_body);
+        this keeps other front ends safe too."""
         try:
-            return self.tokenizer.encode(text, add_bos=True)
+            return self.text.encode(text)
         except InvalidRequest as e:
             raise InvalidRequest(field, e.limit, e.got) from None
 
@@ -148,12 +159,19 @@ class RaystateServer:
     def _sampling(
         self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, n_prompt: int
     ) -> SamplingParams:
-        """OpenAI's defaults where a field is absent (temperature 1, top_p 1; max_tokens: what fits)."""
-        top_k = req.top_k or 0
+        """Where a field is absent: the checkpoint's generation_config.json value if it sets one, else
+        OpenAI's default (temperature 1, top_p 1, top_k off). max_tokens: what fits, or less where the
+        checkpoint sets max_new_tokens. A request's own values always win."""
+        defaults = self.sampling_defaults
+        room = max(1, self.max_model_len - n_prompt)
+        if max_tokens is None:
+            max_tokens = min(room, defaults.get("max_tokens", room))
+        temperature = req.temperature if req.temperature is not None else defaults.get("temperature", 1.0)
+        top_k = req.top_k if req.top_k is not None else defaults.get("top_k", 0)
         params = SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else max(1, self.max_model_len - n_prompt),
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=req.top_p if req.top_p is not None else defaults.get("top_p", 1.0),
             top_k=0 if top_k == -1 else top_k,
             seed=req.seed,
             stop_token_ids=list(req.stop_token_ids or []),
@@ -192,10 +210,15 @@ class RaystateServer:
     def _prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self._check_model(req.model)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        for m in messages:
-            m.setdefault("content", None)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self._encode(text, "messages")
+        if not self.text.is_hf:
+            for m in messages:
+                m.setdefault("content", None)
+        try:
+            _, ids = self.text.chat_prompt(messages, add_generation_prompt=True)
+        except InvalidRequest as e:
+            if e.field in ("messages", "chat_template") or e.field.startswith("messages["):
+                raise
+            raise InvalidRequest("messages", e.limit, e.got) from None  # the tokenizer's "text"
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
                 "messages", f"shorter than max_model_len={self.max_model_len} tokens", len(ids)
@@ -222,7 +245,7 @@ class RaystateServer:
         )
 
     async def _start(self, prep: Prepared) -> Generation:
-        gen = Generation(self.client, prep, self.metrics, self._aborts)
+        gen = Generation(self.client, prep, self.metrics, self._aborts, self.text.text_stream(prep.stop))
         try:
             async with self._until_cut():  # a request still queued at the drain's cut is cut too
                 await gen.start()

@@ -2,7 +2,8 @@
 
 Two persistent buffers, allocated once at max size so captured graphs can read their addresses:
 - `lookback[R, D]`: the D token ids before each batch row's chunk start (DESIGN section 1), gathered from
-  the token history with one `gather_lookback` launch per step.
+  the token history with one `gather_lookback` launch per step; none for a model without engram (D = 0,
+  the Hugging Face families), whose lookback stays all -1 and unread.
 - `replay_start[R]`: each batch row's replay start (DESIGN section 4), the replay start of its request for
   prefill rows and 0 for decode rows; staged on the host and copied without a sync. When any is nonzero
   one `pad_replayed_slots` launch pads the replayed tokens' slots in the prefix-cacheable groups, and the
@@ -36,6 +37,7 @@ class HybridModelState:
         self.groups = groups
         self.replay_tokens = replay_tokens(groups)  # P
         self.max_num_reqs = max_num_reqs
+        self.lookback_depth = lookback_depth  # 0: a model without engram (no gather is launched)
         self.lookback = torch.full(
             (max_num_reqs, max(lookback_depth, 1)), -1, dtype=torch.int32, device=device
         )
@@ -74,7 +76,8 @@ class HybridModelState:
         padded in place.
         """
         b = idx_mapping.shape[0]
-        gather_lookback(self.lookback, idx_mapping, states.num_computed_tokens, states.all_token_ids, b)
+        if self.lookback_depth:
+            gather_lookback(self.lookback, idx_mapping, states.num_computed_tokens, states.all_token_ids, b)
         slot_mappings = block_tables.slot_mappings(idx_mapping, query_start_loc, positions)  # int64 [G, T]
         tables = block_tables.batch_tables(idx_mapping)  # int32 [G, B, M]
         rs = None

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from raystate.kernels import PAD_SLOT_ID
-from raystate.kernels.activation import silu_and_mul, silu_and_mul_ref
+from raystate.kernels.activation import act_and_mul, act_and_mul_ref, silu_and_mul, silu_and_mul_ref
 from raystate.kernels.engram_gate import engram_gate, engram_gate_ref
 from raystate.kernels.norm import rms_norm, rms_norm_ref
 from raystate.kernels.rotary import rope_write_kv, rope_write_kv_ref
@@ -37,6 +37,37 @@ def test_rms_norm_with_and_without_residual(on_device, dtype, shape):
     s32 = (x + res).float()
     plain = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(dtype)
     assert torch.equal(ref, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 130), (9, 2048)])
+def test_rms_norm_weight_offset_is_gemmas_one_plus_w(on_device, dtype, shape):
+    """Gemma's gain 1 + w, added in fp32 (never folded into a bf16 weight), with and without a residual."""
+    gen = torch.Generator().manual_seed(shape[1] + 1)
+    x = torch.randn(shape, generator=gen).to(dtype)
+    res = torch.randn(shape, generator=gen).to(dtype)
+    w = (torch.randn(shape[1], generator=gen) * 0.1).to(dtype)
+    for residual in (None, res):
+        out, _ = rms_norm(
+            on_device(x), on_device(w), 1e-6, on_device(residual) if residual is not None else None, 1.0
+        )
+        ref, _ = rms_norm_ref(x, w, 1e-6, residual, 1.0)
+        _close(out, ref, dtype)
+    s32 = x.float()
+    gemma = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())).to(dtype)
+    assert torch.equal(rms_norm_ref(x, w, 1e-6, None, 1.0)[0], gemma)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 4), (3, 1500), (9, 256)])
+def test_gelu_tanh_and_mul(on_device, dtype, rows, width):
+    gen = torch.Generator().manual_seed(width + 7)
+    gate_up = torch.randn(rows, 2 * width, generator=gen).to(dtype) * 3
+    got = act_and_mul(on_device(gate_up), "gelu_tanh")
+    ref = act_and_mul_ref(gate_up, "gelu_tanh")
+    _close(got, ref, dtype)
+    g, u = gate_up.float().chunk(2, dim=-1)
+    _close(ref, F.gelu(g, approximate="tanh") * u, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,148 @@
+"""A served model's text side: its tokenizer, chat prompts, stream detokenizer and sampling defaults.
+
+`LLM` and the OpenAI server (`RaystateServer`) both take their text handling from a `ModelText`, so that a
+prompt, a chat conversation or a completion's text comes out the same through either front end:
+
+- the reference models ("tiny", "bench", our own saves) use `ByteTokenizer`: prompts get a BOS, chats are
+  rendered by its plain template (then BOS + the text), streams are decoded by the byte `TextStream`, and
+  the sampling defaults are our own;
+- a Hugging Face checkpoint uses its own tokenizer (`raystate.hf.HFTokenizer`): prompt strings are encoded
+  with the special tokens its post-processor adds (as vLLM and transformers' `tokenizer(text)` do); chats
+  are rendered with the checkpoint's chat template as transformers' `apply_chat_template(messages,
+  add_generation_prompt=True, tokenize=False)` renders them, then encoded WITHOUT adding special tokens
+  (the template writes its own BOS, as transformers' `tokenize=True` assumes); streams are decoded by
+  `HFTextStream` (never half a UTF-8 character, special tokens skipped); and the sampling fields that
+  `generation_config.json` sets replace our defaults wherever a request leaves them out (vLLM's
+  `--generation-config auto`).
+
+Torch-free: the serving layer imports this (raystate.hf needs only `tokenizers` and `jinja2`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from raystate.engine_args import ResolvedModel, load_tokenizer
+from raystate.errors import InvalidRequest
+from raystate.hf.generation_config import GenerationDefaults, load_generation_defaults
+from raystate.messages import SamplingParams
+from raystate.serve.detokenize import TextStream
+
+REFERENCE_ARCHITECTURE = "raystate_hybrid"
+
+# generation_config.json's field -> our SamplingParams field. min_p and repetition_penalty have no
+# SamplingParams field (the sampler does not implement them) and are not applied.
+_DEFAULT_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+
+
+class NoChatTemplate(InvalidRequest):
+    """A chat request to a model whose checkpoint has no chat template (a 400 naming `messages`)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__("messages", "sent to a model with a chat template", model)
+        self.args = (
+            f"messages: the model {model!r} has no chat template (its tokenizer_config.json sets none "
+            "and there is no chat_template.jinja), so it takes no chat requests; send a prompt to "
+            "/v1/completions instead",
+        )
+
+
+@dataclass(frozen=True)
+class ModelText:
+    """One model's tokenizer, generation defaults and the ways the front ends use them."""
+
+    tokenizer: Any  # raystate.tokenizer.ByteTokenizer or raystate.hf.HFTokenizer
+    is_hf: bool = False
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    name: str = ""
+
+    # -- prompts -------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """A prompt string's ids, with the special tokens the tokenizer adds (BOS where it adds one).
+        Text no tokenizer takes (a lone surrogate) raises InvalidRequest."""
+        if self.is_hf:
+            return self.tokenizer.encode(text, add_special_tokens=True)
+        return self.tokenizer.encode(text, add_bos=True)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of output ids, special tokens left out."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> tuple[str, list[int]]:
+        """(prompt text, prompt ids) of one conversation.
+
+        A Hugging Face checkpoint: its chat template rendered as transformers renders it, encoded without
+        adding special tokens; no template raises NoChatTemplate, a template that refuses the
+        conversation ChatTemplateError (both InvalidRequest naming `messages`). A byte model: its plain
+        template, then BOS + the text's bytes."""
+        if not messages:
+            raise InvalidRequest("messages", "at least one message", [])
+        if not self.is_hf:
+            text = self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages], add_generation_prompt=add_generation_prompt
+            )
+            return text, self.tokenizer.encode(text, add_bos=True)
+        if self.tokenizer.chat_template is None:
+            raise NoChatTemplate(self.name)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- outputs -------------------------------------------------------------------------------------
+
+    def text_stream(self, stop: list[str] | None = None):
+        """A stream for one request's output ids: `push(ids, final) -> text delta`, `text`, `stopped`;
+        stop strings applied on the text, special tokens skipped."""
+        if self.is_hf:
+            from raystate.hf.detokenize import HFTextStream
+
+            return HFTextStream(self.tokenizer, stop)
+        return TextStream(stop)
+
+    # -- sampling defaults ---------------------------------------------------------------------------
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The SamplingParams fields the checkpoint's generation_config.json sets (temperature, top_p,
+        top_k; max_tokens from max_new_tokens). Empty for the byte models and for checkpoints whose file
+        sets none."""
+        given = self.defaults.sampling_overrides()
+        out = {ours: given[theirs] for theirs, ours in _DEFAULT_FIELDS.items() if theirs in given}
+        if "max_new_tokens" in given:
+            out["max_tokens"] = given["max_new_tokens"]
+        return out
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the checkpoint's defaults laid over ours (vLLM's
+        `LLM.get_default_sampling_params`)."""
+        return SamplingParams(**self.sampling_defaults())
+
+
+def load_model_text(model: ResolvedModel, name: str | None = None) -> ModelText:
+    """The text side of a resolved model: `load_tokenizer`'s tokenizer and, for a Hugging Face checkpoint,
+    the generation defaults of its folder."""
+    tokenizer = load_tokenizer(model)
+    is_hf = model.tokenizer != "byte"
+    defaults = GenerationDefaults()
+    if is_hf and model.path is not None:
+        defaults = load_generation_defaults(model.path)
+    return ModelText(tokenizer, is_hf, defaults, name or model.config.name)
+
+
+def model_text_for_config(config: Any, name: str | None = None) -> ModelText:
+    """The text side of the model an `EngineConfig` runs (a backend's `client.config`): the byte tokenizer
+    for the reference architecture, else the tokenizer and generation defaults of `config.model_path`,
+    the checkpoint folder `resolve_model` found (on the machine that reads it)."""
+    model_config = config.model
+    architecture = getattr(model_config, "architecture", REFERENCE_ARCHITECTURE)
+    path = getattr(config, "model_path", None)
+    if architecture == REFERENCE_ARCHITECTURE:
+        resolved = ResolvedModel(model_config, path=path)
+    elif path is None:
+        raise InvalidRequest("model_path", "the checkpoint folder of a Hugging Face model", None)
+    else:
+        resolved = ResolvedModel(model_config, path=path, tokenizer=path)
+    return load_model_text(resolved, name)
