@@ -156,9 +156,7 @@ def exactness(folder: Path, prompt_lens: list[int], new_tokens: int) -> dict:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in prompt_lens]
     t0 = time.perf_counter()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32
-    ).to("cuda").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to("cuda").eval()
     hf.generation_config = transformers.GenerationConfig(eos_token_id=None, pad_token_id=0)
     want, margins = [], []
     with torch.no_grad():
