@@ -41,7 +41,7 @@ for part in $parts; do
         timeout 300 python3 bench/bench_decode.py --model "/tmp/hf_ckpt/$shape" --batch 64 --context 4096 \
           --steps 32 --configs "graphs + async" --plot "$OUT/decode_$shape.png" 2>&1 | tee "$OUT/decode_$shape.log" | tail -4
       done
-      if [ -d /tmp/hf_ckpt/gemma3-4b ]; then
+      if [ "${HF_PREFIX:-1}" = 1 ] && [ -d /tmp/hf_ckpt/gemma3-4b ]; then
         timeout 400 python3 bench/bench_prefix.py --model /tmp/hf_ckpt/gemma3-4b --requests 16 --prefix 8192 \
           --pool-gib 40 --plot "$OUT/prefix_gemma3-4b.png" --json "$OUT/prefix_gemma3-4b.json" 2>&1 \
           | tee "$OUT/prefix_gemma3-4b.log" | tail -16

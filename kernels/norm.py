@@ -99,3 +99,72 @@ def rms_norm(
             BLOCK=next_pow2(num_cols),
         )
     return out.view(shape), (summed.view(shape) if summed is not None else None)
+
+
+def rms_norm_heads_ref(
+    x: torch.Tensor,  # [T, N]: normalised in place
+    weight: torch.Tensor,  # [head_dim]
+    eps: float,
+    weight_offset: float,
+    col_start: int,
+    head_dim: int,
+    num_heads: int,
+) -> torch.Tensor:
+    span = x[:, col_start : col_start + num_heads * head_dim]
+    heads = span.reshape(x.shape[0], num_heads, head_dim)
+    normed = rms_norm_ref(heads, weight, eps, None, weight_offset)[0]
+    span.copy_(normed.reshape(span.shape))
+    return x
+
+
+@triton.jit
+def _rms_norm_heads_kernel(
+    x_ptr,  # [T, N], normalised in place
+    weight_ptr,  # [HEAD_DIM]
+    x_stride,
+    col_start,
+    eps,
+    weight_offset,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program per (token, head).
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HEAD_DIM
+    ptrs = x_ptr + row * x_stride + col_start + head * HEAD_DIM + cols
+    x32 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / HEAD_DIM + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+    tl.store(ptrs, (x32 * inv_rms * w).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_heads_(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    col_start: int,
+    head_dim: int,
+    num_heads: int,
+) -> torch.Tensor:
+    """RMSNorm, in place, of `num_heads` consecutive spans of `head_dim` columns of each row of x [T, N],
+    from column `col_start`, all with the one gain weight [head_dim] (+ offset): the q or k norms of a
+    fused qkv projection (per head: Qwen3, Gemma 3; over the whole projection, one span: OLMo 3) in one
+    launch, where slicing, normalising and concatenating would take several and copy q, k and v."""
+    if not use_triton(x):
+        return rms_norm_heads_ref(x, weight, eps, weight_offset, col_start, head_dim, num_heads)
+    assert x.dim() == 2 and x.stride(-1) == 1, "rows must be contiguous"
+    if x.shape[0]:
+        _rms_norm_heads_kernel[(x.shape[0], num_heads)](
+            x,
+            weight,
+            x.stride(0),
+            col_start,
+            eps,
+            weight_offset,
+            HEAD_DIM=head_dim,
+            BLOCK=next_pow2(head_dim),
+        )
+    return x

@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from raystate.engine_args import BACKENDS, EngineArgs, knobs, resolve_model
+from raystate.engine_args import BACKENDS, EngineArgs, build_engine_config, knobs
 
 DEFAULT_PROMPTS = [
     "The sliding window keeps",
@@ -60,6 +60,7 @@ def _generate(args: argparse.Namespace) -> int:
         f"[raystate] model={args.model} ({describe_model(llm.config.model)}) device={args.device}: "
         f"{len(outs)} prompts, {n} tokens in {dt:.2f} s"
     )
+    print(f"[raystate] {llm.config.kv_summary()}")
     return 0
 
 
@@ -238,7 +239,8 @@ def _serve(args: argparse.Namespace) -> int:
         **({"cors_allow_headers": _words(args.cors_header)} if args.cors_header else {}),
     )
     app = build_app(app_args)  # validates the arguments (and resolves the model) before Ray starts
-    model = resolve_model(args.model, args.max_model_len).config
+    engine_config = build_engine_config(_engine_args(args))
+    model = engine_config.model
     if local:
         # Like the key: Serve's proxy actor, started by the local Ray, inherits the environment.
         os.environ.update(_header_timeout_env(args.header_timeout_s))
@@ -258,6 +260,7 @@ def _serve(args: argparse.Namespace) -> int:
             f"raystate: serving model {args.model!r} ({describe_model(model)}; {args.backend} backend, "
             f"{args.num_shards} shard(s))"
         )
+        print(f"raystate: {engine_config.kv_summary()}")
         print(f"raystate: OpenAI API at {url}/v1  (health: {url}/health, metrics: {url}/metrics)")
         if args.host in ("0.0.0.0", "::"):
             print("raystate: listening on every interface" + ("" if api_key else " WITHOUT an API key"))

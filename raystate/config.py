@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from raystate.errors import InvalidRequest
-from raystate.kv_layout import KVCacheGroupSpec, group_num_blocks, kv_cache_group_specs, kv_element_bytes
+from raystate.kv_layout import (
+    KVCacheGroupSpec,
+    group_num_blocks,
+    kv_cache_group_specs,
+    kv_element_bytes,
+    kv_summary,
+)
 
 LayerType = Literal["sliding", "full"]
 
@@ -318,6 +324,10 @@ class EngineConfig:
         return group_num_blocks(
             self.kv_groups, self.cache, self.scheduler, self.max_model_len, self.kv_element_bytes
         )
+
+    def kv_summary(self) -> str:
+        """The KV cache in words (groups, blocks, bytes, what a cached prefix keeps), for the CLI and logs."""
+        return kv_summary(self.kv_groups, self.group_num_blocks, self.kv_element_bytes)
 
     @property
     def num_blocks(self) -> int:

@@ -157,3 +157,35 @@ def plan_group_blocks(
             budget_bytes,
         )
     return tuple(counts)
+
+
+def kv_summary(groups: tuple[KVCacheGroupSpec, ...], num_blocks: tuple[int, ...], element_bytes: int) -> str:
+    """The KV cache in words, for the CLI and the logs: each group's layers, blocks and bytes, and what a
+    cached prefix keeps. Under bounded replay only the full-attention groups are cached, so a cached
+    prefix token keeps their share of the KV that caching every layer would keep: 1/4 for a 3:1 model,
+    about 1/6 for Gemma 3's 5:1."""
+    num_layers = sum(len(g.layer_ids) for g in groups)
+    parts = []
+    total = 0
+    for g, n in zip(groups, num_blocks, strict=True):
+        size = kv_block_bytes(g, element_bytes) * n
+        total += size
+        kind = f" (window {g.sliding_window})" if g.is_sliding else ""
+        cached = (
+            "prefix-cached"
+            if g.prefix_cacheable
+            else f"not cached, replays {g.prefix_replay_tokens} tokens after a hit"
+        )
+        parts.append(
+            f"{g.name}{kind}: {len(g.layer_ids)} layers, {n} blocks, {size / 2**30:.2f} GiB, {cached}"
+        )
+    cached_layers = sum(len(g.layer_ids) for g in groups if g.prefix_cacheable)
+    if cached_layers and cached_layers < num_layers:
+        share = (
+            f"; a cached prefix keeps {cached_layers}/{num_layers} of the KV caching every layer would keep"
+        )
+    elif not cached_layers:
+        share = "; nothing is prefix-cacheable (every layer slides)"
+    else:
+        share = ""
+    return f"KV cache {total / 2**30:.2f} GiB per shard: " + "; ".join(parts) + share

@@ -13,6 +13,7 @@ from torch import nn
 
 from raystate.config import RopeConfig
 from raystate.kernels import paged_attention
+from raystate.kernels.norm import rms_norm_heads_
 from raystate.kernels.rotary import rope_write_kv
 from raystate.model.layers import RMSNorm, apply_rotary
 
@@ -82,20 +83,21 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(k_dim, norm_eps, norm_weight_offset)
 
     def _qkv(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, (H + 2 H_kv) * head_dim]
-        """The projection, with q and k normalised when the family norms them (before any rotation)."""
+        """The projection, with q and k normalised in place when the family norms them (before any
+        rotation): one launch each."""
         qkv = self.qkv_proj(hidden)
         if self.qk_norm == "none":
             return qkv
-        num_tokens = hidden.shape[0]
-        q_width, k_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_width, k_width, k_width], dim=-1)
+        hd, heads, kv_heads = self.head_dim, self.num_heads, self.num_kv_heads
+        q_w, k_w = self.q_norm.weight, self.k_norm.weight
+        eps, offset = self.q_norm.eps, self.q_norm.weight_offset
         if self.qk_norm == "head":
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, q_width)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, k_width)
+            rms_norm_heads_(qkv, q_w, eps, offset, 0, hd, heads)
+            rms_norm_heads_(qkv, k_w, eps, offset, heads * hd, hd, kv_heads)
         else:
-            q = self.q_norm(q.contiguous())
-            k = self.k_norm(k.contiguous())
-        return torch.cat((q, k, v), dim=-1)
+            rms_norm_heads_(qkv, q_w, eps, offset, 0, heads * hd, 1)
+            rms_norm_heads_(qkv, k_w, eps, offset, heads * hd, kv_heads * hd, 1)
+        return qkv
 
     def project_qkv(
         self,

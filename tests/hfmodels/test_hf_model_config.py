@@ -202,3 +202,14 @@ def test_gemma3_per_layer_type_ropes_match_transformers():
     for layer_type, rope in (("sliding_attention", ours.rope_sliding), ("full_attention", ours.rope_full)):
         want, _ = _hf_rope(hf, layer_type)
         assert torch.equal(rope_inv_freq(rope, ours.head_dim), want.float())
+
+
+def test_kv_summary_says_what_a_cached_gemma3_prefix_keeps():
+    """Bounded replay caches the full layers only: 1 of every 6 layers' KV for Gemma 3's 5:1."""
+    from raystate.config import CacheConfig, EngineConfig
+
+    model = model_config_from_hf(_cfg("Gemma3ForCausalLM", sliding_window=16, num_hidden_layers=12))
+    summary = EngineConfig(model=model, cache=CacheConfig(num_blocks=10)).kv_summary()
+    assert "a cached prefix keeps 2/12 of the KV" in summary and "replays 16 tokens after a hit" in summary
+    everything = EngineConfig(model=model, cache=CacheConfig(num_blocks=10, swa_bounded_replay=False))
+    assert "keeps" not in everything.kv_summary()

@@ -141,3 +141,28 @@ def test_engram_gate(on_device, dtype, rows, width):
     d = (h * k).sum(-1) / width**0.5
     gate = torch.sigmoid(torch.sign(d) * torch.sqrt(d.abs().clamp(min=1e-6)))
     assert torch.equal(ref, hidden + gate.to(dtype)[:, None] * value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(16, 4, 2), (128, 2, 1), (96, 3, 3)])
+def test_rms_norm_heads_in_place_equals_slice_norm_concat(on_device, dtype, head_dim, heads, kv_heads):
+    """The q/k norms of a fused projection in place: per head, and over the whole projection."""
+    from raystate.kernels.norm import rms_norm_heads_, rms_norm_heads_ref
+
+    gen = torch.Generator().manual_seed(head_dim + heads)
+    tokens = 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    w = (torch.randn(head_dim, generator=gen) * 0.2).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    plain_q = rms_norm_ref(q.reshape(-1, head_dim), w, 1e-6, None, 1.0)[0].reshape(tokens, -1)
+    want = torch.cat((plain_q, k, v), dim=-1)
+    got = rms_norm_heads_(on_device(qkv.clone()), on_device(w), 1e-6, 1.0, 0, head_dim, heads)
+    _close(got, want, dtype)
+    assert torch.equal(rms_norm_heads_ref(qkv.clone(), w, 1e-6, 1.0, 0, head_dim, heads), want)
+    # One span over the whole k projection (OLMo 3's norm).
+    wk = torch.randn(kv_heads * head_dim, generator=gen).to(dtype)
+    plain_k = rms_norm_ref(k, wk, 1e-6)[0]
+    got = rms_norm_heads_(
+        on_device(qkv.clone()), on_device(wk), 1e-6, 0.0, heads * head_dim, kv_heads * head_dim, 1
+    )
+    _close(got, torch.cat((q, plain_k, v), dim=-1), dtype)

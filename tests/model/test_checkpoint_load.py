@@ -386,3 +386,37 @@ def test_sharded_transformers_llama(tmp_path):
     assert stats.tensors == len(targets) - len(stats.missing_optional)
     on_disk = sum(p.stat().st_size for p in checkpoint_files(tmp_path))
     assert 0 < stats.bytes_read <= on_disk
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_path_through_pinned_buffers_is_exact(tmp_path, monkeypatch):
+    """The GPU path (memory-mapped file -> two pinned buffers -> device, dtype converted there), with a
+    chunk smaller than a tensor so large tensors go through in pieces; fused targets, two files."""
+    from raystate.model import checkpoint
+
+    monkeypatch.setattr(checkpoint._PinnedStager, "CHUNK", 4096)
+    gen = torch.Generator().manual_seed(0)
+    a = {"q": torch.randn(40, 64, generator=gen), "k": torch.randn(24, 64, generator=gen).to(torch.bfloat16)}
+    b = {"big": torch.randn(300, 64, generator=gen), "n": torch.randn(64, generator=gen)}
+    save_file(a, tmp_path / "model-00001-of-00002.safetensors")
+    save_file(b, tmp_path / "model-00002-of-00002.safetensors")
+    index = {
+        "weight_map": {
+            **dict.fromkeys(a, "model-00001-of-00002.safetensors"),
+            **dict.fromkeys(b, "model-00002-of-00002.safetensors"),
+        }
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    fused = torch.empty(64, 64, dtype=torch.bfloat16, device="cuda")
+    big = torch.empty(300, 64, dtype=torch.float32, device="cuda")
+    norm = torch.empty(64, dtype=torch.bfloat16, device="cuda")
+    targets = {
+        "q": WeightTarget(fused, 0),
+        "k": WeightTarget(fused, 40),
+        "big": WeightTarget(big),
+        "n": WeightTarget(norm),
+    }
+    stats = load_checkpoint(tmp_path, targets)
+    assert stats.tensors == 4
+    assert torch.equal(fused.cpu(), torch.cat((a["q"].to(torch.bfloat16), a["k"])))
+    assert torch.equal(big.cpu(), b["big"]) and torch.equal(norm.cpu(), b["n"].to(torch.bfloat16))
