@@ -9,10 +9,16 @@ test_hf_kernels.py runs one family on the interpreted Triton kernels.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from hf_families import FAMILIES, hf_greedy, prompt_ids
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
+from engine_harness import LogitLog  # noqa: E402  (tests/engine's logit recorder)
 
 from raystate import LLM, SamplingParams
 from raystate.model.reference import dense_forward, replay_reference
@@ -99,19 +105,6 @@ def test_preemption_equals_transformers(family, family_checkpoints, expected):
     llm.engine.scheduler.check_integrity()
 
 
-class _Log:
-    def __init__(self) -> None:
-        self.rows: dict[str, dict[int, torch.Tensor]] = {}
-
-    def __call__(self, req_id: str, start: int, logits: torch.Tensor) -> None:
-        d = self.rows.setdefault(req_id, {})
-        for i in range(logits.shape[0]):
-            d[start + i] = logits[i]
-
-    def stacked(self, req_id: str, first: int, last: int) -> torch.Tensor:
-        return torch.stack([self.rows[req_id][p] for p in range(first, last)])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("llama", "gemma3_legacy")])
 def test_bounded_replay_equals_truncated_replay_reference(family, family_checkpoints):
@@ -127,7 +120,7 @@ def test_bounded_replay_equals_truncated_replay_reference(family, family_checkpo
     window = model.config.sliding_window
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     first = llm.generate(prompt_token_ids=cold, sampling_params=params, use_tqdm=False)[0]
-    log = _Log()
+    log = LogitLog()
     llm.engine.worker.logit_recorder = log
     second = llm.generate(prompt_token_ids=hit, sampling_params=params, use_tqdm=False)[0]
     h = second.num_cached_tokens
