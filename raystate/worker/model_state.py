@@ -38,9 +38,8 @@ class HybridModelState:
         self.replay_tokens = replay_tokens(groups)  # P
         self.max_num_reqs = max_num_reqs
         self.lookback_depth = lookback_depth  # 0: a model without engram (no gather is launched)
-        self.lookback = torch.full(
-            (max_num_reqs, max(lookback_depth, 1)), -1, dtype=torch.int32, device=device
-        )
+        # int32 [R, D]; no columns (no memory) without engram
+        self.lookback = torch.full((max_num_reqs, lookback_depth), -1, dtype=torch.int32, device=device)
         self.replay_start = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)  # int32 [R]
         self._replay_start_host = np.zeros(max_num_reqs, dtype=np.int32)
         self.slot_replay_start = np.zeros(max_num_reqs, dtype=np.int64)  # per state slot, host
