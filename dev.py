@@ -86,7 +86,10 @@ def main(argv: list[str]) -> int:
     pytest_args = argv[1:]
     if "--fast" in pytest_args:
         pytest_args = [a for a in pytest_args if a != "--fast"] + ["-m", "not slow"]
-    return run([str(PY), "-m", "pytest", "-q", *pytest_args], env)
+    # -P: the repo root is not put on sys.path, so a top-level `import kernels` finds Hugging Face's
+    # `kernels` package (transformers imports it when installed), not our kernels/ folder, which is
+    # imported only as raystate.kernels.
+    return run([str(PY), "-P", "-m", "pytest", "-q", *pytest_args], env)
 
 
 if __name__ == "__main__":
