@@ -53,6 +53,24 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # Controls applied by the worker to the raw logits, before temperature (raystate/worker/penalties.py).
+    presence_penalty: float = 0.0  # minus this where the token is in the output so far
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output so far
+    repetition_penalty: float = 1.0  # l / p (l > 0) or l * p (l <= 0) for tokens of the prompt or output
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_p: float = 0.0  # keep tokens with probability >= min_p * the largest (after temperature)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until the output has this many tokens
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether the worker must adjust this request's raw logits (penalties, bias, min_tokens)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     def validate(self, vocab_size: int) -> None:
         """Raises InvalidRequest (a ValueError) naming the field and the limit. Temperatures in
@@ -74,12 +92,39 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
         for t in self.stop_token_ids:
             if not _is_int(t) or not 0 <= t < vocab_size:
                 raise InvalidRequest("stop_token_ids", f"ids in [0, {vocab_size})", t)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise InvalidRequest(name, f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", v)
+        v = self.repetition_penalty
+        if not _is_number(v) or not 0.0 < v <= MAX_REPETITION_PENALTY:
+            raise InvalidRequest("repetition_penalty", f"a number in (0, {MAX_REPETITION_PENALTY:g}]", v)
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidRequest("logit_bias", f"at most {MAX_LOGIT_BIAS} entries", len(self.logit_bias))
+            for t, b in self.logit_bias.items():
+                if not _is_int(t) or not 0 <= t < vocab_size:
+                    raise InvalidRequest("logit_bias", f"token ids in [0, {vocab_size})", t)
+                if not _is_number(b) or not -MAX_BIAS_VALUE <= b <= MAX_BIAS_VALUE:
+                    raise InvalidRequest(
+                        "logit_bias", f"values in [-{MAX_BIAS_VALUE:g}, {MAX_BIAS_VALUE:g}]", b
+                    )
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest("min_p", "a number in [0, 1]", self.min_p)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(
+                "min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens
+            )
 
 
 MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1
 MAX_TEMPERATURE = 1e4  # a softmax past this is uniform to fp32 precision anyway
 MAX_STOP_TOKEN_IDS = 1024
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's range)
+MAX_REPETITION_PENALTY = 2.0
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_BIAS_VALUE = 100.0
 
 
 def _is_int(x: object) -> bool:

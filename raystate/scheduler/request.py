@@ -60,6 +60,7 @@ class Request:
         "num_released",
         "kv_check_at",
         "max_num_tokens",
+        "min_stop_tokens",
         "eos_token_id",
         "stop_token_ids",
     )
@@ -99,6 +100,9 @@ class Request:
         self.kv_check_at = 0
         # Finishing rules, resolved once: the length cap, EOS (-1 with ignore_eos) and the stop ids.
         self.max_num_tokens = self.num_prompt_tokens + sampling.max_tokens
+        # min_tokens: EOS and the stop ids end the request only from this history length on (the worker
+        # also masks them until then).
+        self.min_stop_tokens = self.num_prompt_tokens + sampling.min_tokens
         self.eos_token_id = -1 if sampling.ignore_eos else eos_token_id
         # A model may end sequences on several ids (generation_config.json lists them): the extra ones
         # finish a request exactly as EOS does.

@@ -341,11 +341,14 @@ class ShardScheduler:
                 continue
             if not 0 <= token < vocab:
                 raise ValueError(f"sampled: request {req.req_id!r} got {token}, outside [0, {vocab})")
-            # Append and finish: a stop (EOS unless ignore_eos, or a stop id) wins over the length limit
-            # when both hold; the stop token stays in the output. Inline: this loop runs per decode row.
+            # Append and finish: a stop (EOS unless ignore_eos, or a stop id, once the output has
+            # min_tokens tokens) wins over the length limit when both hold; the stop token stays in the
+            # output. Inline: this loop runs per decode row.
             req.token_ids.append(token)
             num_tokens = req.num_tokens = req.num_tokens + 1
-            if token == req.eos_token_id or token in req.stop_token_ids:
+            if (
+                token == req.eos_token_id or token in req.stop_token_ids
+            ) and num_tokens >= req.min_stop_tokens:
                 reason = "stop"
             elif num_tokens >= req.max_num_tokens:
                 reason = "length"

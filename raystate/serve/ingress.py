@@ -13,8 +13,12 @@ cross-site form posts).
 The request head's own deadline cannot live here (the ASGI app sees a request only once its head is
 complete): see proxy_guard.py.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (a real one-token
-step), GET /metrics (Prometheus), GET /status (raystate extension: the backend's `Client.status()`).
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize and POST
+/detokenize (vLLM's), GET /version, GET /health (a real one-token step), GET /metrics (Prometheus, our
+series and vLLM's), GET /status (raystate extension: the backend's `Client.status()`).
+
+Unknown request fields are ignored with one warning per request naming them (as vLLM does); a `model`
+this server does not serve is a 404 (`NotFoundError`, as vLLM answers it).
 """
 
 from __future__ import annotations
@@ -38,12 +42,15 @@ from raystate.serve.protocol import (
     BodyError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     dump_response,
     error_body,
     first_error,
     load_body,
 )
-from raystate.serve.server import RaystateServer, ServerShuttingDown
+from raystate.serve.server import ModelNotFound, RaystateServer, ServerShuttingDown
 
 logger = logging.getLogger(__name__)
 
@@ -312,11 +319,16 @@ async def _read_json(request: Request, limit: int) -> Any:
 
 
 def _parse(model: type[BaseModel], data: dict) -> Any:
+    """The validated request; its unknown fields (ignored) named in one warning."""
     try:
-        return model.model_validate(data)
+        req = model.model_validate(data)
     except ValidationError as e:
         param, message = first_error(e)
         raise APIError(400, message, "invalid_request_error", param) from None
+    ignored = req.ignored_fields()
+    if ignored:
+        logger.warning("The following fields were present in the request but ignored: %s", ", ".join(ignored))
+    return req
 
 
 def _respond(result: BaseModel | EventStream, keep_token_ids: bool) -> Response:
@@ -374,6 +386,10 @@ def create_api(
     async def _invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
         return _error(400, error_body(str(exc), "invalid_request_error", exc.field))
 
+    @api.exception_handler(ModelNotFound)
+    async def _no_model(_: Request, exc: ModelNotFound) -> JSONResponse:
+        return _error(404, error_body(str(exc), "NotFoundError", "model", 404))
+
     @api.exception_handler(EngineDead)
     async def _dead(_: Request, exc: EngineDead) -> JSONResponse:
         # EngineDead may carry the scheduler actor's traceback: the log keeps it, the client gets a fixed
@@ -416,9 +432,24 @@ def create_api(
         for card in server.models().data:
             if card.id == model_id:
                 return JSONResponse(card.model_dump())
-        raise APIError(
-            404, f"model {model_id!r} not found", "invalid_request_error", "model", "model_not_found"
-        )
+        raise ModelNotFound(model_id, server.model_name)
+
+    @api.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        _require_json(request)
+        data = await _read_json(request, max_body_bytes)
+        kind = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+        return JSONResponse(server.tokenize(_parse(kind, data)).model_dump())
+
+    @api.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        _require_json(request)
+        req = _parse(DetokenizeRequest, await _read_json(request, max_body_bytes))
+        return JSONResponse(server.detokenize(req).model_dump())
+
+    @api.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse(server.version().model_dump())
 
     @api.get("/health")
     async def health() -> JSONResponse:

@@ -1,11 +1,13 @@
 """The subset of the OpenAI HTTP API that raystate serves, as pydantic models, and the JSON body reader.
 
-Requests forbid unknown fields (as OpenAI does: a misspelt `max_token` must not be silently ignored), and
-fields whose JSON type is a union (`prompt`, `stop`, message `content`, `tool_choice`) are checked by our
-own validators, so that a validation error's location is always the field's own name (`prompt`,
-`messages[0].role`) and never a pydantic union tag. Parameters raystate does not implement are accepted
-only at their neutral value, so a client that relies on them gets a 400 naming the field instead of a
-quietly different answer.
+Unknown request fields are ignored, as vLLM ignores them (OpenAI's SDKs send fields such as `store`,
+`metadata` or `service_tier` that a server need not act on): `ignored_fields` names them, and the ingress
+logs one warning per request naming them. Fields whose JSON type is a union (`prompt`, `stop`, message
+`content`, `tool_choice`) are checked by our own validators, so that a validation error's location is
+always the field's own name (`prompt`, `messages[0].role`) and never a pydantic union tag. Parameters
+raystate does not implement (`_NEUTRAL_ONLY`: `n`, `logprobs`, `echo`, `tools`, `response_format`, ...)
+are accepted only at their neutral value, so a client that relies on them gets a 400 naming the field
+instead of a quietly different answer.
 
 Every bad input must be a 400 naming the field, never a 500, and nothing a client sends may reach the
 engine in a form that breaks it: so `load_body` rejects, before pydantic sees the body, what Python's
@@ -40,6 +42,7 @@ MAX_TOP_K = MAX_INT32  # any top_k >= the vocabulary size means "off"; bounded s
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string: the detokenizer holds back up to this many characters
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit; SamplingParams.validate checks it too)
 MAX_MESSAGES = 1024
 MAX_CONTENT_PARTS = 1024  # text parts in one message's content
 MAX_NAME_CHARS = 64  # a message's `name` (OpenAI's own limit)
@@ -47,6 +50,13 @@ MAX_MODEL_CHARS = 256  # `model`: echoed back in the error when it names no serv
 MAX_USER_CHARS = 256  # `user`: an end-user id, kept by nobody here
 MAX_ERROR_CHARS = 1024  # an error's message and param (see error_body)
 MAX_PARAM_PART_CHARS = 64  # a client-made name (an unknown field) in an error's param (see field_path)
+MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs entries
+MAX_DETOKENIZE_IDS = 1 << 17  # /detokenize ids (the body cap bounds them first)
+# Variables the chat template renderer sets itself: not settable through chat_template_kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template",
+     "tokenize", "special_tokens"}
+)  # fmt: skip
 
 
 def _is_int(x: Any) -> bool:
@@ -202,9 +212,44 @@ def load_body(body: bytes) -> dict:
 # -- requests -------------------------------------------------------------------------------------------
 
 
+MAX_IGNORED_NAMES = 16  # unknown fields named in the warning (the rest are counted)
+
+
 class _Request(BaseModel):
+    """A request body or a part of one. Unknown fields are kept aside (pydantic's `model_extra`), never
+    used: `ignored_fields` names them, `known_fields` dumps the rest."""
+
     # allow_inf_nan=False: also when a model is built from Python values rather than load_body's output.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    def ignored_fields(self) -> list[str]:
+        """The paths of the unknown fields of this request and of its parts (`store`, `messages[0].foo`),
+        made printable and bounded (field_path), at most MAX_IGNORED_NAMES of them plus a count."""
+        names: list[str] = []
+        total = 0
+        stack: list[tuple[_Request, tuple]] = [(self, ())]
+        while stack:
+            model, path = stack.pop()
+            extra = model.model_extra or {}
+            total += len(extra)
+            for key in extra:
+                if len(names) < MAX_IGNORED_NAMES:
+                    names.append(field_path((*path, key)))
+            for name in type(model).model_fields:
+                value = getattr(model, name, None)
+                if isinstance(value, _Request):
+                    stack.append((value, (*path, name)))
+                elif isinstance(value, list):
+                    stack.extend(
+                        (v, (*path, name, i)) for i, v in enumerate(value) if isinstance(v, _Request)
+                    )
+        if total > len(names):
+            names.append(f"... ({total - len(names)} more)")
+        return names
+
+    def known_fields(self, **kwargs: Any) -> dict[str, Any]:
+        """model_dump() without the unknown fields."""
+        return self.model_dump(exclude=set(self.model_extra or ()), **kwargs)
 
 
 class StreamOptions(_Request):
@@ -224,9 +269,6 @@ def _one(v: Any) -> bool:
 # never checked); `_neutral_only` checks the value after pydantic has checked its type.
 _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (_one, "only n=1 is supported"),
-    "presence_penalty": (_unset, "penalties are not supported (must be 0)"),
-    "frequency_penalty": (_unset, "penalties are not supported (must be 0)"),
-    "logit_bias": (_unset, "logit_bias is not supported"),
     "logprobs": (_unset, "logprobs are not supported"),
     "top_logprobs": (_unset, "logprobs are not supported"),
     "echo": (_unset, "echo is not supported"),
@@ -256,12 +298,16 @@ class _SamplingFields(_Request):
     n: int | None = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # token id (a JSON string key) -> bias; ranges checked by SamplingParams.validate, naming the field
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: str | None = Field(None, max_length=MAX_USER_CHARS)
     # raystate extensions (vLLM spells them the same way)
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     return_token_ids: bool | None = False
+    repetition_penalty: float | None = None  # vLLM's extensions, like the two above
+    min_p: float | None = None
+    min_tokens: int | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -317,7 +363,8 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant", "tool"]
+    # `developer`: OpenAI's newer name for `system` (given to the chat template as it is; see ModelText)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None
     name: str | None = Field(None, max_length=MAX_NAME_CHARS)
 
@@ -347,13 +394,77 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict] | None = None
     tool_choice: Any = None  # "none", "auto" or absent: checked against _NEUTRAL_ONLY
     response_format: dict | None = None
+    # chat template controls (vLLM's extensions, spelt as vLLM spells them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(v)
 
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+def check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`chat_template_kwargs` may set any template variable but those the renderer sets itself."""
+    for key in v or ():
+        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+            raise ValueError(f"{field_path((key,))!s} cannot be set through chat_template_kwargs")
+    return v
+
+
+class TokenizeCompletionRequest(_Request):
+    """POST /tokenize with a prompt: its ids as /v1/completions makes them (special tokens added)."""
+
+    model: str | None = Field(None, max_length=MAX_MODEL_CHARS)
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Request):
+    """POST /tokenize with messages: the prompt ids /v1/chat/completions would run. `add_special_tokens`
+    unset: as the chat route encodes (a Hugging Face template writes its own BOS; a byte model gets one);
+    set: the rendered text encoded with or without the tokenizer's special tokens."""
+
+    model: str | None = Field(None, max_length=MAX_MODEL_CHARS)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(v)
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize: the text of token ids, special tokens included (as vLLM decodes them)."""
+
+    model: str | None = Field(None, max_length=MAX_MODEL_CHARS)
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_IDS)
+
+
 # -- responses ----------------------------------------------------------------------------------------
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class PromptTokensDetails(BaseModel):
@@ -462,7 +573,7 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | None = None
+    code: str | int | None = None  # a name ("invalid_api_key"), or the HTTP status where vLLM sends one
 
 
 class ErrorResponse(BaseModel):
@@ -477,7 +588,7 @@ def _printable(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
     """The JSON body OpenAI's clients parse into an APIError (they read `error.message` and `.param`).
 
     Message and param may quote what the client sent: they are made encodable and bounded here, so that

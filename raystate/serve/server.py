@@ -41,8 +41,14 @@ from raystate.serve.protocol import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
     dump_response,
     error_body,
 )
@@ -56,6 +62,14 @@ DRAIN_CUT_MARGIN_S = 5.0  # after the cut, time for the cut streams to send thei
 
 class ServerShuttingDown(Exception):
     """A request still running when the drain's grace period ended (the ingress answers 503)."""
+
+
+class ModelNotFound(InvalidRequest):
+    """A request naming a model this server does not serve (the ingress answers 404, as vLLM does)."""
+
+    def __init__(self, model: str, served: str) -> None:
+        super().__init__("model", f"'{served}' (see GET /v1/models)", model)
+        self.args = (f"The model `{model}` does not exist (this server serves '{served}').",)
 
 
 def _sse(payload: BaseModel, keep_token_ids: bool) -> str:
@@ -87,6 +101,20 @@ class _Shape:
     choice: Callable[[str, str | None, list[int] | None], BaseModel]
     delta: Callable[[str, str | None, list[int] | None], BaseModel]
     opening: Callable[[], BaseModel] | None = None  # a stream's first choice, before any token
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON string keys) as SamplingParams takes it; the ranges are
+    SamplingParams.validate's."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        k = key.strip()
+        if not (k.isdecimal() and k.isascii()) or len(k) > 10:
+            raise InvalidRequest("logit_bias", "keys that are token ids (decimal integers)", key[:32])
+        out[int(k)] = value
+    return out
 
 
 def _completion_choice(text: str, reason: str | None, ids: list[int] | None) -> CompletionChoice:
@@ -134,6 +162,7 @@ class RaystateServer:
         # generation_config.json's sampling fields, for requests that leave them out
         self.sampling_defaults = self.text.sampling_defaults()
         self.metrics = metrics or ServeMetrics()
+        self.metrics.model_name = self.metrics.model_name or self.model_name  # vLLM series' label
         self._aborts: set[asyncio.Task] = set()
         # Shutdown drain (see `drain`): requests in progress, and the event loop time of the cut.
         self._in_flight = 0
@@ -154,7 +183,34 @@ class RaystateServer:
 
     def _check_model(self, model: str | None) -> None:
         if model not in (None, "", self.model_name):
-            raise InvalidRequest("model", f"'{self.model_name}' (see GET /v1/models)", model)
+            raise ModelNotFound(model, self.model_name)
+
+    def _chat_prompt(
+        self,
+        req: ChatCompletionRequest | TokenizeChatRequest,
+        add_special_tokens: bool | None = None,
+    ) -> list[int]:
+        """The conversation's prompt ids through the model's chat template (ModelText.chat_prompt), with
+        the request's template controls; the tokenizer's errors named after `messages`."""
+        messages = [m.known_fields(exclude_none=True) for m in req.messages]
+        if not self.text.is_hf:
+            for m in messages:
+                m.setdefault("content", None)
+        try:
+            _, ids = self.text.chat_prompt(
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                template_kwargs=req.chat_template_kwargs,
+                add_special_tokens=add_special_tokens,
+            )
+        except InvalidRequest as e:
+            if e.field in ("messages", "chat_template", "continue_final_message") or e.field.startswith(
+                "messages["
+            ):
+                raise
+            raise InvalidRequest("messages", e.limit, e.got) from None  # the tokenizer's "text"
+        return ids
 
     def _sampling(
         self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, n_prompt: int
@@ -176,6 +232,12 @@ class RaystateServer:
             seed=req.seed,
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=bool(req.ignore_eos),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+            logit_bias=_logit_bias(req.logit_bias),
+            min_p=req.min_p or 0.0,
+            min_tokens=req.min_tokens or 0,
         )
         params.validate(self.vocab_size)
         if n_prompt + params.max_tokens > self.max_model_len:
@@ -209,16 +271,7 @@ class RaystateServer:
 
     def _prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self._check_model(req.model)
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        if not self.text.is_hf:
-            for m in messages:
-                m.setdefault("content", None)
-        try:
-            _, ids = self.text.chat_prompt(messages, add_generation_prompt=True)
-        except InvalidRequest as e:
-            if e.field in ("messages", "chat_template") or e.field.startswith("messages["):
-                raise
-            raise InvalidRequest("messages", e.limit, e.got) from None  # the tokenizer's "text"
+        ids = self._chat_prompt(req)
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
                 "messages", f"shorter than max_model_len={self.max_model_len} tokens", len(ids)
@@ -299,6 +352,37 @@ class RaystateServer:
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
 
+    def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        """vLLM's /tokenize: a prompt's ids as /v1/completions makes them (`add_special_tokens`, default
+        true), or a conversation's as /v1/chat/completions renders and encodes it."""
+        self._check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            ids = self._chat_prompt(req, req.add_special_tokens)
+        else:
+            try:
+                ids = self.text.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            except InvalidRequest as e:
+                raise InvalidRequest("prompt", e.limit, e.got) from None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's /detokenize: the text of the ids, special tokens included."""
+        self._check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest("tokens", f"token ids in [0, {self.vocab_size})", bad[0])
+        try:
+            text = self.text.decode(req.tokens, skip_special_tokens=False)
+        except Exception as e:  # an id the model has but its tokenizer lacks (a padded vocabulary)
+            raise InvalidRequest("tokens", "ids the tokenizer can decode", type(e).__name__) from None
+        return DetokenizeResponse(prompt=text)
+
+    @staticmethod
+    def version() -> VersionResponse:
+        from raystate import __version__
+
+        return VersionResponse(version=__version__)
+
     async def health(self) -> bool:
         """A real one-token step through every shard (Client.health), bounded in time."""
         try:
@@ -314,7 +398,7 @@ class RaystateServer:
 
     async def metrics_text(self) -> bytes:
         try:
-            status = await asyncio.wait_for(self.client.status(), HEALTH_TIMEOUT_S)
+            status = await asyncio.wait_for(self.status(), HEALTH_TIMEOUT_S)
         except Exception:  # the scrape still reports latencies, with raystate_backend_up 0
             status = None
         return self.metrics.render(status)

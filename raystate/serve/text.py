@@ -60,37 +60,60 @@ class ModelText:
 
     # -- prompts -------------------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
-        """A prompt string's ids, with the special tokens the tokenizer adds (BOS where it adds one).
-        Text no tokenizer takes (a lone surrogate) raises InvalidRequest."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt string's ids, by default with the special tokens the tokenizer adds (BOS where it adds
+        one). Text no tokenizer takes (a lone surrogate) raises InvalidRequest."""
         if self.is_hf:
-            return self.tokenizer.encode(text, add_special_tokens=True)
-        return self.tokenizer.encode(text, add_bos=True)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.tokenizer.encode(text, add_bos=add_special_tokens)
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """The text of output ids, special tokens left out."""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """The text of ids, by default with the special tokens left out (as outputs are shown)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def chat_prompt(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+        add_special_tokens: bool | None = None,
     ) -> tuple[str, list[int]]:
         """(prompt text, prompt ids) of one conversation.
 
-        A Hugging Face checkpoint: its chat template rendered as transformers renders it, encoded without
-        adding special tokens; no template raises NoChatTemplate, a template that refuses the
-        conversation ChatTemplateError (both InvalidRequest naming `messages`). A byte model: its plain
-        template, then BOS + the text's bytes."""
+        A Hugging Face checkpoint: its chat template rendered as transformers renders it (with
+        `continue_final_message`, the last message left open and no generation prompt; `template_kwargs`
+        as extra template variables, e.g. `enable_thinking`), encoded without adding special tokens; no
+        template raises NoChatTemplate, a template that refuses the conversation ChatTemplateError (both
+        InvalidRequest naming `messages`). A byte model: its plain template (a `developer` message
+        rendered as a `system` one; no template variables; continuing the final message drops the
+        newline that closes it), then BOS + the text's bytes. `add_special_tokens` True or False
+        overrides the encoding's special tokens (/tokenize's option)."""
         if not messages:
             raise InvalidRequest("messages", "at least one message", [])
-        if not self.is_hf:
-            text = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], add_generation_prompt=add_generation_prompt
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequest(
+                "continue_final_message", "false when add_generation_prompt is true", continue_final_message
             )
-            return text, self.tokenizer.encode(text, add_bos=True)
+        if not self.is_hf:
+            chat = [dict(m) for m in messages]
+            for m in chat:
+                if m.get("role") == "developer":
+                    m["role"] = "system"
+            text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=add_generation_prompt)
+            if continue_final_message:
+                text = text.removesuffix("\n")
+            return text, self.tokenizer.encode(text, add_bos=add_special_tokens is not False)
         if self.tokenizer.chat_template is None:
             raise NoChatTemplate(self.name)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        text = self.tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **dict(template_kwargs or {}),
+        )
+        return text, self.tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
 
     # -- outputs -------------------------------------------------------------------------------------
 

@@ -19,6 +19,15 @@ overwrites the appended argmax. The lookback and replay-start buffers are the mo
 tensors and the slot mappings the block tables' persistent buffer, so graphs read the same addresses every
 replay; decode rows have no replay floor.
 
+Logit controls (penalties, logit_bias, min_tokens: `raystate.worker.penalties`) are applied to the raw
+logits inside the step, before the argmax, so the appended id and the logits left for host-side sampling
+carry them. Each size is captured twice, without and with the controls; a step replays the controlled
+variant only when a row of its batch has some (a host-side flag per slot). Two variants rather than
+one that always applies them: the controls read and write several [B, V] tensors (the output counts,
+the seen mask, the bias and stop masks), memory traffic comparable to a small layer's, which the common
+batch with no controls should not pay; the graphs share one memory pool, so the second set costs only
+capture time. Rows without controls are bit-identical either way.
+
 A graph is handed what its step touches (`DecodeStepParts`), never the worker.
 """
 
@@ -31,6 +40,7 @@ import torch
 
 from raystate.worker.block_table import BlockTables
 from raystate.worker.model_state import HybridModelState
+from raystate.worker.penalties import LogitControls
 from raystate.worker.requests import RequestStates
 from raystate.worker.sampler import greedy_checked
 
@@ -55,6 +65,7 @@ class DecodeStepParts:
     states: RequestStates  # token history, device chunk starts, the scratch slot of padding rows
     block_tables: BlockTables  # device tables and the persistent slot-mapping buffer
     model_state: HybridModelState  # the persistent lookback buffer and `build_metadata`
+    controls: LogitControls | None = None  # per-slot penalties, bias, min_tokens (None: no such variant)
 
 
 class DecodeGraphs:
@@ -75,7 +86,7 @@ class DecodeGraphs:
         self.host_bufs = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]  # [4 Bmax + 1]
         self.sampled_bufs = [torch.zeros(max_b, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._turn = 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, controlled) -> graph
         self.pool = None
         self.num_replays = 0
         self.num_eager_steps = 0  # steps of sizes not captured (CPU tests)
@@ -86,8 +97,13 @@ class DecodeGraphs:
         m, st = self.max_b, self.staged
         return st[:size], st[m : m + size], st[2 * m : 2 * m + size], st[3 * m : 3 * m + size + 1]
 
-    def _step(self, size: int) -> None:
-        """Everything a decode step does on the device, for `size` rows (captured, then replayed)."""
+    def staged_slots(self, b: int) -> torch.Tensor:
+        """The slots of the last replayed step's first b rows (int64 [b], on the device)."""
+        return self.staged[:b]
+
+    def _step(self, size: int, controlled: bool = False) -> None:
+        """Everything a decode step does on the device, for `size` rows (captured, then replayed); with
+        `controlled`, the rows' logit controls are applied to the raw logits first."""
         p = self.parts
         states = p.states
         slots, positions, seq_lens, qsl = self._views(size)  # int64 [size] x3, [size + 1]
@@ -101,7 +117,10 @@ class DecodeGraphs:
         )
         hidden = p.model(input_ids, positions, lookback, meta, p.kv_caches)
         logits = self.logits[:size]
-        logits.copy_(p.model.compute_logits(hidden))
+        raw = p.model.compute_logits(hidden)
+        if controlled:  # this row's output so far: its history (positions + 1) less its prompt
+            raw = p.controls.apply(raw, slots, p.controls.num_output(slots, positions + 1))
+        logits.copy_(raw)
         sampled = self.sampled[:size]
         sampled.copy_(greedy_checked(logits))  # FAILED_ROW where a row's logits are not finite
         # Padding rows append to the scratch slot's history, which no request reads. A failed row
@@ -116,6 +135,10 @@ class DecodeGraphs:
         h[m:] = 0
         self.staged.copy_(host)
 
+    @property
+    def variants(self) -> tuple[bool, ...]:
+        return (False, True) if self.parts.controls is not None else (False,)
+
     @torch.inference_mode()
     def capture(self) -> None:
         model_state = self.parts.model_state
@@ -124,16 +147,18 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                self._step(size)  # warm-up: Triton compiles outside the capture
+            for controlled in self.variants:
+                for size in reversed(self.sizes):
+                    self._step(size, controlled)  # warm-up: Triton compiles outside the capture
         torch.cuda.current_stream().wait_stream(stream)
-        for size in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._step(size)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = graph
+        for controlled in self.variants:
+            for size in reversed(self.sizes):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._step(size, controlled)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[size, controlled] = graph
         torch.cuda.synchronize()
 
     # -- a step ---------------------------------------------------------------------------------------
@@ -148,6 +173,7 @@ class DecodeGraphs:
         self,
         slots: np.ndarray,  # int64 [B]: state slots of the batch rows
         positions: np.ndarray,  # int64 [B]: each row's one query position (= its chunk start)
+        controlled: bool = False,  # some row has logit controls: the variant that applies them
     ) -> int:
         """Stages the rows (one copy) and replays the graph of the next captured size up; returns that size.
         Before `capture` (or on the CPU) the same step runs eagerly instead.
@@ -170,12 +196,14 @@ class DecodeGraphs:
         qsl[: b + 1] = np.arange(b + 1)
         qsl[b + 1 :] = b  # padding rows: no query tokens
         self.staged.copy_(host, non_blocking=True)
-        graph = self.graphs.get(size)
+        if controlled and self.parts.controls is None:
+            raise ValueError("controlled: these graphs have no logit controls")
+        graph = self.graphs.get((size, controlled))
         if graph is not None:
             graph.replay()
             self.num_replays += 1
         else:  # not captured (CPU tests of this path): the same step, run eagerly
-            self._step(size)
+            self._step(size, controlled)
             self.num_eager_steps += 1
         return size
 

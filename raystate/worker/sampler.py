@@ -1,4 +1,7 @@
-"""Token sampling from logits: greedy, or temperature with top-k and top-p, guarded row by row.
+"""Token sampling from logits: greedy, or temperature with top-k, top-p and min_p, guarded row by row.
+
+The logits it gets already carry the requests' penalties, logit_bias and min_tokens mask
+(`raystate.worker.penalties`, applied to the raw logits before temperature).
 
 A request with a seed draws from a generator seeded by (seed, output position), so its tokens do not
 depend on which other requests share the batch, on preemption, or on the shard that runs it.
@@ -17,6 +20,7 @@ A failed row's request ends with finish_reason "error"; the other rows of the st
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -84,6 +88,8 @@ class Sampler:
                 row = logits[i]
                 row = (row - row.max()) / p.temperature  # <= 0 everywhere, the max exactly 0
                 row = _filter_top_k_top_p(row, p.top_k, p.top_p)
+                if p.min_p > 0.0:  # p_i >= min_p * p_max <=> l_i - l_max >= log(min_p), and l_max is 0
+                    row = row.masked_fill(row < math.log(p.min_p), float("-inf"))
                 probs = torch.softmax(row, dim=-1)
                 if p.seed is not None:
                     gen = torch.Generator(device=self.device)

@@ -9,6 +9,7 @@ those tokens to the history on the device. It holds no scheduling policy.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,8 +26,11 @@ from raystate.worker.cudagraph import DecodeGraphs, DecodeStepParts, ReadyEvent
 from raystate.worker.input_batch import InputBatch
 from raystate.worker.kv_cache import allocate_kv_caches
 from raystate.worker.model_state import HybridModelState
+from raystate.worker.penalties import LogitControls
 from raystate.worker.requests import RequestStates
 from raystate.worker.sampler import NONFINITE_LOGITS, Sampler, is_greedy
+
+logger = logging.getLogger(__name__)
 
 # (req_id, position of the first row, logits fp32 [n, V]) for every computed token; a test hook.
 LogitRecorder = Callable[[str, int, torch.Tensor], None]
@@ -58,6 +62,9 @@ class Worker:
         self.config = config
         self.device = torch.device(config.device)
         dtype = resolve_dtype(config)
+        # Seconds of each start-up phase (weights, kv_cache, buffers, cuda_graphs), logged at the end.
+        self.startup_s: dict[str, float] = {}
+        t0 = time.perf_counter()
         self.model = (
             model
             if model is not None
@@ -66,6 +73,7 @@ class Worker:
             )
         )
         self.model.eval()
+        t0 = self._phase_done("weights", t0)
         self.groups = config.kv_groups
         max_reqs = config.scheduler.max_num_seqs
         max_len = config.max_model_len
@@ -73,7 +81,12 @@ class Worker:
         self.kv_caches = allocate_kv_caches(
             self.groups, self.model.config.num_layers, config.group_num_blocks, dtype, self.device
         )
+        t0 = self._phase_done("kv_cache", t0)
         self.states = RequestStates(max_reqs, max_len, self.device)
+        # Penalties, logit_bias and min_tokens per slot (the scratch slot included, never enabled).
+        self.controls = LogitControls(
+            max_reqs + 1, self.model.config.vocab_size, config.model.eos_token_ids, self.device
+        )
         # A step has at most max_num_batched_tokens tokens; a decode graph's padded batch, max_num_seqs.
         max_tokens = max(config.scheduler.max_num_batched_tokens, max_reqs)
         self.block_tables = BlockTables(
@@ -91,14 +104,31 @@ class Worker:
         self.profile = False
         self.last_phases: tuple[int, int, int] = (0, 0, 0)
         self.graphs: DecodeGraphs | None = None
+        t0 = self._phase_done("buffers", t0)
         if config.cuda_graphs and self.device.type == "cuda":
             self.graphs = self.new_decode_graphs()
-            self.graphs.capture()
+            self.graphs.capture()  # the first launches also compile the Triton kernels (or load them)
+            self._phase_done("cuda_graphs", t0)
+        logger.info(
+            "raystate worker on %s ready: %s",
+            self.device,
+            ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_s.items()),
+        )
+
+    def _phase_done(self, name: str, since: float) -> float:
+        """Records a start-up phase's seconds (after the device's queued work) and returns the time now."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.startup_s[name] = now - since
+        return now
 
     def new_decode_graphs(self) -> DecodeGraphs:
         """Decode graphs over this worker's persistent state, not yet captured (`capture` does that; an
         uncaptured one runs its step eagerly, which the CPU tests use)."""
-        parts = DecodeStepParts(self.model, self.kv_caches, self.states, self.block_tables, self.model_state)
+        parts = DecodeStepParts(
+            self.model, self.kv_caches, self.states, self.block_tables, self.model_state, self.controls
+        )
         return DecodeGraphs(parts, self.config.scheduler.max_num_seqs)
 
     # -- applying the message -------------------------------------------------------------------------
@@ -119,11 +149,16 @@ class Worker:
             return f"invalid request: token ids must be in [0, {vocab})"
         return None
 
+    def _remove(self, req_id: str) -> None:
+        slot = self.states.remove(req_id)
+        if slot is not None:
+            self.controls.remove(slot)
+
     def _apply(self, msg: StepMessage) -> tuple[list[str], list[int], dict[str, str]]:
         """Applies the message; returns the rows to compute (ids, tokens each) and the new requests
         refused (req_id -> why): those are not computed and their rows answer FAILED_ROW."""
         for req_id in (*msg.finished_ids, *msg.preempted_ids):
-            self.states.remove(req_id)
+            self._remove(req_id)
             self._refused.pop(req_id, None)
         rows: list[str] = []
         num_scheduled: list[int] = []
@@ -134,6 +169,7 @@ class Worker:
                 refused[req.req_id] = self._refused[req.req_id] = why
                 continue
             slot = self.states.add(req)
+            self.controls.add(slot, req, self.states.all_token_ids[slot, : self.states.num_tokens[slot]])
             self.block_tables.set_row(slot, req.block_ids)
             self.model_state.add_request(slot, req.replay_start)
             if req.num_scheduled > 0:
@@ -280,18 +316,24 @@ class Worker:
         states = self.states
         graphs = self.graphs
         b = slots.shape[0]
+        # Logit controls in the batch: the graph variant that applies them (its logits carry them).
+        controlled = self.controls.any_enabled(slots)
         if self.profile:
             t_prepared = self._phase_mark()
-        graphs.replay(slots, positions)
+        graphs.replay(slots, positions, controlled)
         if self.profile:
             t_forward = self._phase_mark()
         errors: dict[str, str] = {}
         if all(is_greedy(states.sampling[s]) for s in slots):
             sampled = graphs.sampled[:b]  # FAILED_ROW where a row's logits were not finite
         else:  # sample on the host side from the graph's logits; overwrite the appended argmax
-            sampled, failures = self._sample_rows(slots, graphs.logits[:b], graphs.sampled[:b])
+            sampled, failures = self._sample_rows(
+                slots, graphs.logits[:b], graphs.sampled[:b], controlled_already=True
+            )
             errors = {rows[i]: why for i, why in failures.items()}
             self._append_history(slots, positions + 1, sampled)
+        if controlled:  # the output counts of the penalties, from the ids kept
+            self.controls.count(graphs.staged_slots(b), sampled)
         host, ready = graphs.copy_sampled(sampled)
         states.num_tokens[slots] += 1
         states.num_computed[slots] += 1
@@ -321,20 +363,34 @@ class Worker:
             kpos = states.num_tokens[kslots]
             if np.any(kpos >= states.max_model_len):
                 raise ValueError(f"max_model_len: a request reached {states.max_model_len} tokens")
-            self._append_history(kslots, kpos, sampled[torch.from_numpy(keep_rows).to(self.device)])
+            kept = sampled[torch.from_numpy(keep_rows).to(self.device)]
+            self._append_history(kslots, kpos, kept)
+            if self.controls.any_enabled(kslots):
+                self.controls.count(torch.from_numpy(kslots).to(self.device), kept)
             states.num_tokens[kslots] += 1
         host = sampled.cpu().numpy()
         return np.where(keep, host, -1), errors
 
     def _sample_rows(
-        self, slots: np.ndarray, logits: torch.Tensor, greedy: torch.Tensor | None = None
+        self,
+        slots: np.ndarray,
+        logits: torch.Tensor,
+        greedy: torch.Tensor | None = None,
+        controlled_already: bool = False,
     ) -> tuple[torch.Tensor, dict[int, str]]:
-        """One id per row (int64 [B], on the device) from logits fp32 [B, V], with each row's request's
-        sampling parameters; FAILED_ROW for a row that failed, and {row: why} for those with a reason."""
+        """One id per row (int64 [B], on the device) from raw logits fp32 [B, V] (or logits the controls
+        were applied to already, with `controlled_already`), with each row's request's sampling
+        parameters; FAILED_ROW for a row that failed, and {row: why} for those with a reason."""
         states = self.states
         params = [states.sampling[s] for s in slots]
-        out_pos = (states.num_tokens[slots] - states.num_prompt_tokens[slots]).tolist()
-        return self.sampler(logits, params, out_pos, greedy)
+        out_len = states.num_tokens[slots] - states.num_prompt_tokens[slots]
+        if not controlled_already and self.controls.any_enabled(slots):
+            dev = self.device
+            logits = self.controls.apply(
+                logits, torch.from_numpy(slots).to(dev), torch.from_numpy(out_len).to(dev)
+            )
+            greedy = None
+        return self.sampler(logits, params, out_len.tolist(), greedy)
 
     def _append_history(self, slots: np.ndarray, positions: np.ndarray, ids: torch.Tensor) -> None:
         """Writes ids (int [N], on the device) into the token history at (slots, positions), no sync.
@@ -357,7 +413,7 @@ class Worker:
         """Drops every request (their device state is stale after a lost step); returns how many."""
         ids = list(self.states.slot_of)
         for req_id in ids:
-            self.states.remove(req_id)
+            self._remove(req_id)
         self._refused.clear()
         return len(ids)
 

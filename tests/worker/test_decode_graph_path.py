@@ -51,7 +51,7 @@ def test_graph_path_is_skipped_for_prefill_and_mixed_steps():
     worker.graphs = worker.new_decode_graphs()
     calls = []
     real = worker.graphs.replay
-    worker.graphs.replay = lambda slots, positions: calls.append(len(slots)) or real(slots, positions)
+    worker.graphs.replay = lambda slots, *a: calls.append(len(slots)) or real(slots, *a)
     llm.generate(
         prompt_token_ids=[[5] * 20],
         sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),

@@ -1,0 +1,298 @@
+"""vLLM-compatible protocol details on the byte model: unknown fields ignored (with a warning), a wrong
+model a 404, /tokenize, /detokenize and /version, the chat template controls, and vLLM's metric names.
+
+The app is the real FastAPI app over `RaystateServer` over `InProcessClient`, driven through httpx's ASGI
+transport, by the official `openai` client where it has a method for the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from raystate.tokenizer import ByteTokenizer
+
+MODEL = "tiny"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "raystate-vllm-dashboard.json"
+
+
+class App:
+    def __init__(self) -> None:
+        from raystate.client import InProcessClient
+        from raystate.serve.app import AppArgs
+        from raystate.serve.ingress import create_api
+        from raystate.serve.server import RaystateServer
+
+        self.loop = asyncio.new_event_loop()
+        self.server = RaystateServer(
+            InProcessClient(AppArgs(model=MODEL, backend="inprocess").engine_config())
+        )
+        transport = httpx.ASGITransport(app=create_api(self.server), raise_app_exceptions=False)
+        self.http = httpx.AsyncClient(transport=transport, base_url="http://local", timeout=60)
+        self.openai = openai.AsyncOpenAI(
+            base_url="http://local/v1", api_key="unused", max_retries=0, http_client=self.http
+        )
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return self.run(self.http.post(path, json=body))
+
+    def get(self, path: str) -> httpx.Response:
+        return self.run(self.http.get(path))
+
+    def close(self) -> None:
+        self.run(self.http.aclose())
+        self.run(self.server.shutdown())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def app():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAYSTATE_KERNELS", "reference")
+        mp.setattr("raystate.kernels._common._reference_forced", True)
+        a = App()
+        try:
+            yield a
+        finally:
+            a.close()
+
+
+# -- unknown and unsupported fields -----------------------------------------------------------------------
+
+SDK_EXTRAS = {
+    "store": False,
+    "metadata": {"k": "v"},
+    "service_tier": "auto",
+    "parallel_tool_calls": False,
+    "prediction": None,
+}
+
+
+def test_unknown_fields_are_ignored_with_one_warning(app, caplog):
+    with caplog.at_level(logging.WARNING, logger="raystate.serve.ingress"):
+        r = app.run(
+            app.openai.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "P1 hi", "junk_field": 1}],
+                max_tokens=3,
+                temperature=0,
+                user="someone",
+                extra_body={**SDK_EXTRAS, "max_token": 3},
+            )
+        )
+    assert r.choices[0].finish_reason in ("stop", "length")
+    warnings = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+    assert len(warnings) == 1, warnings
+    for name in [*SDK_EXTRAS, "max_token", "messages[0].junk_field"]:
+        assert name in warnings[0]
+    assert "user" not in warnings[0].split(":", 1)[1].split(", ")  # a known field
+
+
+def test_unknown_completion_fields_are_ignored(app, caplog):
+    with caplog.at_level(logging.WARNING, logger="raystate.serve.ingress"):
+        r = app.run(
+            app.openai.completions.create(
+                model=MODEL, prompt="P2", max_tokens=2, extra_body={"store": True, "foo": {"bar": [1]}}
+            )
+        )
+    assert r.usage.completion_tokens <= 2
+    assert sum("store, foo" in rec.getMessage() or "foo, store" in rec.getMessage() for rec in caplog.records)
+
+
+def test_request_without_unknown_fields_logs_no_warning(app, caplog):
+    with caplog.at_level(logging.WARNING, logger="raystate.serve.ingress"):
+        app.run(app.openai.completions.create(model=MODEL, prompt="P3", max_tokens=1))
+    assert not [rec for rec in caplog.records if "ignored" in rec.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("path", "change", "param"),
+    [
+        ("/v1/completions", {"n": 2}, "n"),
+        ("/v1/completions", {"logprobs": 2}, "logprobs"),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ],
+)
+def test_known_unsupported_fields_stay_400s(app, path, change, param):
+    body = {"model": MODEL, "max_tokens": 2}
+    body |= {"prompt": "x"} if "chat" not in path else {"messages": [{"role": "user", "content": "x"}]}
+    r = app.post(path, body | change)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+# -- wrong model ------------------------------------------------------------------------------------------
+
+
+def test_wrong_model_is_a_404_not_found_error(app):
+    with pytest.raises(openai.NotFoundError) as e:
+        app.run(app.openai.completions.create(model="gpt-4", prompt="x", max_tokens=1))
+    assert e.value.status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        app.run(
+            app.openai.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+        )
+    for path, body in [
+        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}),
+        ("/tokenize", {"model": "gpt-4", "prompt": "x"}),
+        ("/detokenize", {"model": "gpt-4", "tokens": [1]}),
+    ]:
+        r = app.post(path, body)
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert (err["type"], err["code"], err["param"]) == ("NotFoundError", 404, "model")
+        assert "gpt-4" in err["message"]
+    r = app.get("/v1/models/gpt-4")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+
+
+# -- tokenize, detokenize, version ------------------------------------------------------------------------
+
+
+def test_tokenize_prompt_and_detokenize_round_trip(app):
+    text = "héllo, 日本"
+    r = app.post("/tokenize", {"model": MODEL, "prompt": text})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert set(out) == {"count", "max_model_len", "tokens"}
+    assert out["tokens"] == ByteTokenizer().encode(text)  # BOS + bytes: what /v1/completions runs
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] == app.server.max_model_len
+    bare = app.post("/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert bare == out["tokens"][1:]
+    assert app.post("/detokenize", {"model": MODEL, "tokens": bare}).json() == {"prompt": text}
+    assert app.post("/detokenize", {"tokens": out["tokens"]}).json()["prompt"] == "<|bos|>" + text
+
+
+def test_tokenize_chat_equals_the_chat_prompt(app):
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    out = app.post("/tokenize", {"messages": messages}).json()
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    expected = ByteTokenizer().encode(ByteTokenizer().apply_chat_template(plain))
+    assert out["tokens"] == expected and out["count"] == len(expected)
+    # the chat route runs exactly these ids
+    r = app.run(app.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=1))
+    assert r.usage.prompt_tokens == len(expected)
+    no_gen = app.post("/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    assert no_gen == ByteTokenizer().encode(ByteTokenizer().apply_chat_template(plain, False))
+
+
+def test_continue_final_message_leaves_the_last_message_open(app):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, the answer is"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    ids = app.post("/tokenize", body).json()["tokens"]
+    assert ByteTokenizer().decode(ids) == "<|user|>\nHi\n<|assistant|>\nSure, the answer is"
+    r = app.post("/v1/chat/completions", {**body, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)
+    both = app.post("/tokenize", {"messages": messages, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def test_detokenize_refuses_ids_out_of_the_vocabulary(app):
+    r = app.post("/detokenize", {"tokens": [1, 10**6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = app.post("/detokenize", {"tokens": "abc"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = app.post("/tokenize", {"prompt": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_version(app):
+    import raystate
+
+    r = app.get("/version")
+    assert r.status_code == 200 and r.json() == {"version": raystate.__version__}
+
+
+# -- metrics ----------------------------------------------------------------------------------------------
+
+VLLM_SERIES = [
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:time_per_output_token_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+]
+
+
+def _samples(text: str) -> dict[str, list[tuple[dict, float]]]:
+    out: dict[str, list[tuple[dict, float]]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)$", line)
+        assert m, line
+        labels = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m.group(3) or ""))
+        out.setdefault(m.group(1), []).append((labels, float(m.group(4))))
+    return out
+
+
+def _metrics_after_a_request(app) -> dict[str, list[tuple[dict, float]]]:
+    before = _samples(app.get("/metrics").text)
+    app.run(app.openai.completions.create(model=MODEL, prompt="M1 metrics", max_tokens=4, temperature=0))
+    after = _samples(app.get("/metrics").text)
+    return before, after
+
+
+def test_vllm_series_are_exported_from_our_own(app):
+    before, after = _metrics_after_a_request(app)
+    for name in VLLM_SERIES:
+        assert name in after, name
+        assert all(labels.get("model_name") == MODEL for labels, _ in after[name]), name
+
+    # the same measurements as our own series
+    def total(samples, name):
+        return sum(v for _, v in samples.get(name, []))
+
+    for ours, theirs in [
+        ("raystate_prompt_tokens_total", "vllm:prompt_tokens_total"),
+        ("raystate_generation_tokens_total", "vllm:generation_tokens_total"),
+        ("raystate_prompt_tokens_total", "vllm:prefix_cache_queries_total"),
+        ("raystate_cached_prompt_tokens_total", "vllm:prefix_cache_hits_total"),
+        ("raystate_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+        ("raystate_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_sum"),
+        ("raystate_requests_total", "vllm:request_success_total"),
+    ]:
+        assert total(after, ours) == total(after, theirs), (ours, theirs)
+    assert total(after, "vllm:prompt_tokens_total") - total(before, "vllm:prompt_tokens_total") == 11
+    reasons = {labels["finished_reason"] for labels, _ in after["vllm:request_success_total"]}
+    assert reasons <= {"stop", "length", "abort", "error"} and reasons
+    (usage,) = after["vllm:kv_cache_usage_perc"]
+    assert 0.0 <= usage[1] <= 1.0
+
+
+def test_every_dashboard_metric_is_exported(app):
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 9
+    used = {n for e in exprs for n in re.findall(r"vllm:[a-zA-Z0-9_:]+", e)}
+    assert used
+    _, after = _metrics_after_a_request(app)
+    missing = sorted(n for n in used if n not in after)
+    assert not missing, missing
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for word in ("ttft", "inter-token", "e2e", "running", "kv", "prefix", "tokens/s"):
+        assert word in titles, word
