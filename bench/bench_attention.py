@@ -5,6 +5,12 @@ bandwidth of a device-to-device copy measured in the same run. Prefill is comput
 TFLOP/s and the time ratio against torch's flash SDPA on the same (dense, unpaged) problem.
 
     python bench/bench_attention.py [--dtype bf16] [--json out.json] [--sweep [--only REGEX]]
+                                    [--split-sweep] [--max-model-len N]
+
+The split-KV section times decode on the bench model's heads with and without splitting each row's keys
+(the policy splits batches too small to fill the GPU), side by side; --split-sweep adds split counts, key
+steps and keys-per-split minimums around the policy's choice; --max-model-len widens the block tables as
+the model's are (the policy's split count may depend on the table width, never on seq_lens).
 
 --sweep first times the tiles the launcher can be given (`AttentionLaunch`: score rows, keys per step,
 warps, stages) in each layout: the tile layout on causal prefill S = 4k, 8k, 16k and 4 x 4k, the row
@@ -30,16 +36,20 @@ import torch
 import triton.testing
 from bench_decode import copy_bandwidth, graph_time_us
 
-from raystate.kernels import attention, cdiv, paged_attention
-from raystate.kernels.attention_launch import AttentionLaunch, launch_config
+from raystate.kernels import attention, cdiv, next_pow2, paged_attention
+from raystate.kernels.attention_launch import AttentionLaunch, device_limits, launch_config, plan_launch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PREFILL_SWEEP = ((1, 4096), (1, 8192), (1, 16384), (4, 4096))  # (rows, tokens per row), causal
 DECODE_SWEEP = (64, 4096)  # (rows, context)
 
 
-def paged_problem(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    """A paged cache with a shuffled block table, one row per (q_len, seq_len)."""
+def paged_problem(
+    q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, table_keys=0
+):
+    """A paged cache with a shuffled block table, one row per (q_len, seq_len); the table is at least
+    cdiv(table_keys, block_size) blocks wide (as the model's, sized by max_model_len; the columns past a
+    row's length hold block 0 and are never read)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     blocks_per_row = [cdiv(s, block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_row)
@@ -47,7 +57,8 @@ def paged_problem(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_s
     k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
     v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
     perm = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32)
-    block_table = torch.zeros(len(seq_lens), max(blocks_per_row), dtype=torch.int32, device="cuda")
+    width = max(max(blocks_per_row), cdiv(table_keys, block_size))
+    block_table = torch.zeros(len(seq_lens), width, dtype=torch.int32, device="cuda")
     start = 0
     for b, n in enumerate(blocks_per_row):
         block_table[b, :n] = perm[start : start + n]
@@ -67,6 +78,7 @@ class Problem:
 
     def __init__(self, batch: int, q_len: int, seq_len: int, window: int, args):
         self.batch, self.q_len, self.seq_len, self.window = batch, q_len, seq_len, window
+        self.group = args.q_heads // args.kv_heads
         self.inputs = paged_problem(
             [q_len] * batch,
             [seq_len] * batch,
@@ -75,6 +87,7 @@ class Problem:
             args.head_dim,
             args.block_size,
             DTYPES[args.dtype],
+            table_keys=getattr(args, "max_model_len", 0),
         )
         self.scale = args.head_dim**-0.5
         self.out = torch.empty_like(self.inputs[0])
@@ -91,6 +104,31 @@ class Problem:
 
     def time_ms(self, launch: AttentionLaunch | None = None) -> float:
         return triton.testing.do_bench(lambda: self.run(launch), warmup=25, rep=100)
+
+    def current_launch(self) -> AttentionLaunch:
+        """The launch today's policy resolves for this call without splitting keys (kv_splits = 1): the
+        one-launch path as it was before split-KV decode, same kernel, same tile."""
+        k_cache = self.inputs[1]
+        smem, sms = device_limits(k_cache.device.index or 0)
+        key_row_bytes = max(16, next_pow2(k_cache.shape[3])) * k_cache.element_size()
+        waves = self.batch * k_cache.shape[2] / sms
+        return launch_config(self.group, self.q_len, None, self.window, key_row_bytes, smem, waves)[1]
+
+    def policy_plan(self):
+        """The policy's LaunchPlan for this call (its kv_splits: 1 = no split)."""
+        query, k_cache, block_table = self.inputs[0], self.inputs[1], self.inputs[3]
+        return plan_launch(
+            query.shape[0],
+            self.batch,
+            k_cache.shape[2],
+            self.group,
+            max(16, next_pow2(k_cache.shape[3])) * k_cache.element_size(),
+            k_cache.device,
+            self.q_len,
+            self.window,
+            None,
+            block_table.shape[1] * k_cache.shape[1],
+        )
 
     def kv_bytes(self) -> int:
         query, k_cache = self.inputs[0], self.inputs[1]
@@ -118,14 +156,20 @@ def sdpa_ms(batch: int, seq: int, args) -> float:
 
 
 def bench_decode(batch, context, window, args, hbm) -> dict:
+    """The default launch, and beside it the launch without split-KV (`nosplit_*`: today's one-launch
+    path; the same launch where the policy does not split)."""
     problem = Problem(batch, 1, context, window, args)
     ms = problem.time_ms()
     bw = problem.kv_bytes() / (ms * 1e-3)
+    nosplit_ms = problem.time_ms(problem.current_launch())
     return {
         "case": f"decode B={batch} ctx={context} W={window}",
         "ms": ms,
         "GB/s": bw / 1e9,
         "of_hbm": bw / hbm,
+        "splits": problem.policy_plan().kv_splits,
+        "nosplit_ms": nosplit_ms,
+        "nosplit_of_hbm": problem.kv_bytes() / (nosplit_ms * 1e-3) / hbm,
     }
 
 
@@ -174,6 +218,92 @@ def decode_layouts(args, hbm) -> list[dict]:
             + "  ".join(f"{n}: {row[n]:.2f} us ({row[n + ' of_hbm']:.2f})" for n in launches),
             flush=True,
         )
+    return rows
+
+
+# Split-KV decode on the bench model's heads: (batch, context, window). Batches 1 and 8 leave most of the
+# 132 SMs idle without splitting; 64 x 4 kv heads fills them (the policy keeps one launch there).
+SPLIT_CASES = (
+    (1, 2048, 0),
+    (1, 8192, 0),
+    (8, 2048, 0),
+    (8, 8192, 0),
+    (64, 2048, 0),
+    (64, 8192, 0),
+    (1, 8192, 1024),
+    (8, 8192, 1024),
+    (64, 8192, 128),
+)
+NOISE = 0.03  # relative time difference taken as run-to-run noise in a CUDA-graph timing
+
+
+def split_variants(problem: Problem, sweep: bool) -> dict[str, AttentionLaunch | None]:
+    """'current' (no split: today's path), 'policy' (the default launch) and, where the policy splits,
+    the same split count on 64-key steps; with `sweep`, also half / double / quadruple the split count,
+    64- and 128-key steps, and 128 / 512 keys per split at least (tuning data for attention_launch)."""
+    current = problem.current_launch()
+    variants: dict[str, AttentionLaunch | None] = {"current": current, "policy": None}
+    splits = problem.policy_plan().kv_splits
+    if splits > 1:
+        variants[f"S{splits} N64"] = AttentionLaunch(block_n=64, row_programs=True, kv_splits=splits)
+    if sweep:
+        base = max(splits, 2)
+        for s in sorted({max(2, base // 2), base, 2 * base, 4 * base}):
+            for n in (64, 128):
+                for keys in (128, 256, 512):
+                    name = f"S{s} N{n} min{keys}"
+                    launch = AttentionLaunch(block_n=n, row_programs=True, kv_splits=s, split_min_keys=keys)
+                    variants.setdefault(name, launch)
+    return variants
+
+
+def split_decode(args, hbm) -> list[dict]:
+    """Split-KV decode against today's one-launch path on the bench model's heads (16 q / 4 kv of 128),
+    each inside a CUDA graph rotating over enough problem copies that every call reads its KV from HBM
+    (the graph also checks the split path captures: its partials come from the graph's pool). Prints, per
+    case, us per call and the share of copy bandwidth of each variant, the policy's split count, and the
+    policy's time over the current path's: a row where the policy is slower by more than NOISE is
+    flagged (expected only as noise where the policy does not split: the same kernel runs)."""
+    heads = argparse.Namespace(**{**vars(args), "q_heads": 16, "kv_heads": 4, "head_dim": 128})
+    rows = []
+    for batch, context, window in SPLIT_CASES:
+        one = Problem(batch, 1, context, window, heads)
+        copies = [one] + [
+            Problem(batch, 1, context, window, heads) for _ in range(max(1, (160 << 20) // one.kv_bytes()))
+        ]
+        ref = one.run(one.current_launch()).clone()
+        splits = one.policy_plan().kv_splits
+        row = {"case": f"B={batch} ctx={context} W={window}", "kv_MB": one.kv_bytes() / 1e6, "splits": splits}
+        for name, launch in split_variants(one, args.split_sweep).items():
+            try:
+                diff = (one.run(launch).float() - ref.float()).abs().max().item()
+                assert diff < 2e-2, f"{name}: differs from the current path by {diff}"
+                us = graph_time_us(lambda i, L=launch, c=copies: c[i % len(c)].run(L), 2 * len(copies))
+            except Exception as exc:  # out of shared memory for a swept variant, ...
+                row[name] = _error_line(exc)
+                continue
+            row[name] = us
+            row[f"{name} of_hbm"] = one.kv_bytes() / (us * 1e-6) / hbm
+        ratio = row["policy"] / row["current"]
+        row["policy/current"] = ratio
+        row["slower"] = ratio > 1 + NOISE
+        rows.append(row)
+        cells = [
+            f"{n}: {row[n]:.2f} us ({row[n + ' of_hbm']:.2f})"
+            if isinstance(row[n], float)
+            else f"{n}: {row[n]}"
+            for n in split_variants(one, args.split_sweep)
+        ]
+        flag = "  SLOWER THAN CURRENT" if row["slower"] else ""
+        print(f"{row['case']:<24} S={splits:<3} x{ratio:.3f}{flag}  " + "  ".join(cells), flush=True)
+        del copies
+        torch.cuda.empty_cache()
+    slower = [r["case"] for r in rows if r["slower"]]
+    print(
+        "no row slower than the current path by more than noise"
+        if not slower
+        else f"slower than the current path by more than {NOISE:.0%}: {', '.join(slower)}"
+    )
     return rows
 
 
@@ -330,6 +460,15 @@ def main() -> None:
     parser.add_argument(
         "--sweep-budget-s", type=float, default=150.0, help="start no sweep variant after this many seconds"
     )
+    parser.add_argument(
+        "--split-sweep", action="store_true", help="also time split counts, key steps, keys per split"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="block tables this many keys wide (the model's max_model_len; 0: each problem's context)",
+    )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "a GPU benchmark"
 
@@ -338,6 +477,8 @@ def main() -> None:
     sweep_rows = sweep(args, hbm) if args.sweep else []
     print("\n== decode layouts (us per call in a CUDA graph, share of copy bandwidth)")
     layout_rows = decode_layouts(args, hbm)
+    print("\n== split-KV decode, bench heads (us per call in a CUDA graph, share of copy bandwidth)")
+    split_rows = split_decode(args, hbm)
     rows = []
     for batch, context in [(1, 8192), (8, 8192), (64, 4096), (256, 2048), (128, 8192)]:
         rows.append(bench_decode(batch, context, 0, args, hbm))
@@ -347,7 +488,12 @@ def main() -> None:
     rows.append(bench_prefill(1, 16384, 1024, args))
     print("\n== default launch")
     for row in rows:
-        print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{v:<32}" for k, v in row.items()))
+        print(
+            "  ".join(
+                f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" if isinstance(v, int) else f"{v:<32}"
+                for k, v in row.items()
+            )
+        )
     if args.json:
         with open(args.json, "w") as f:
             payload = {
@@ -355,6 +501,7 @@ def main() -> None:
                 "args": vars(args),
                 "rows": rows,
                 "decode_layouts": layout_rows,
+                "split_decode": split_rows,
             }
             if sweep_rows:
                 payload["sweep"] = sweep_rows

@@ -2,7 +2,8 @@
 # Everything that needs the GPU machine (one H200), in one call: the CUDA tests, then every GPU benchmark,
 # logs, JSON and plots into $OUT (or ./out). From the repo root, with .whl/ carried
 # (../shared/device/make-wheels.sh builds it):
-#   bash bench/gpu_run.sh [tests|dispatch|attention|gemm|kernels|decode|prefix|throughput|hf ...]   # default: all
+#   bash bench/gpu_run.sh [tests|dispatch|attention|gemm|kernels|decode|prefix|throughput|hf|cold ...]
+#   (default: all but hf and cold)
 set -o pipefail
 . bench/gpu_setup.sh || exit 1
 OUT=${OUT:-out}
@@ -16,13 +17,16 @@ for part in $parts; do
     tests)  # compiled Triton kernels on CUDA, the model and the worker, the engine's GPU tests; 16 processes
       # (pytest-xdist is on the GPU machine): compiling the kernels for every test shape is most of the time
       timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rfE --durations=12 -p no:cacheprovider -p no:benchmark -n 16 \
-        --timeout 170 tests/kernels tests/model tests/worker tests/engine/test_engine_profile.py 2>&1 \
+        --timeout 170 tests/kernels tests/model tests/worker tests/engine/test_engine_profile.py \
+        tests/engine/test_request_isolation.py 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -30 ;;
     dispatch)
       timeout 150 python3 bench/bench_dispatch.py --shards 1 2 4 --gpus-per-shard 0.25 --iters 2000 2>&1 \
         | tee "$OUT/dispatch.log" | tail -8 ;;
     attention)
-      timeout 240 python3 bench/bench_attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -22 ;;
+      timeout 300 python3 bench/bench_attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
+    cold)  # LLM(...) to its first token by phase, cold and warm Triton cache
+      timeout 400 python3 bench/bench_cold_start.py --json "$OUT/cold_start.json" 2>&1 | tee "$OUT/cold_start.log" | tail -6 ;;
     gemm)
       timeout 120 python3 bench/bench_gemm.py --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" | tail -50 ;;
     kernels)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from raystate.kernels._common import interpreting, next_pow2, use_triton
-from raystate.kernels.attention_launch import AttentionLaunch, plan_launch
+from raystate.kernels.attention_launch import AttentionLaunch, LaunchPlan, plan_launch
 
 _LOG2E = math.log2(math.e)
 
@@ -376,6 +376,195 @@ def _paged_attention_kernel(
         )
 
 
+@triton.jit
+def _attend_query_tile_split(
+    io,  # (query_ptr, acc_ptr, ml_ptr, q_strides, acc_strides, ml_strides)
+    row,  # (q_start, q_len, seq_len, floor), as in _attend_query_tile
+    q_first,
+    kv_head,
+    kv,
+    sliding_window,
+    scale_log2,
+    split,  # (this program's split, the number of splits, the fewest keys a split takes)
+    SHAPE: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """_attend_query_tile over one split of the tile's keys, storing the partial softmax (base-2 running
+    max m, sum l, unnormalised output acc) of each of its queries instead of the output.
+
+    The tile's keys [tile_lo, tile_hi) are cut into `num_splits` spans of `chunk` keys from tile_lo:
+    chunk = cdiv(keys, num_splits) rounded up to whole BLOCK_N steps, and at least `min_chunk`, so each
+    span's steps are the steps the one-launch row loop takes, and a row shorter than num_splits * chunk
+    leaves its last splits empty. An empty span (or a query that sees none of the span's keys) stores
+    m = -inf and l = 0 and no acc: the reduction gives it weight 0 and never reads its acc.
+    """
+    HEAD_DIM: tl.constexpr = SHAPE[0]
+    BLOCK_D: tl.constexpr = SHAPE[1]
+    GROUP: tl.constexpr = SHAPE[3]
+    DOT_IN_FP32: tl.constexpr = SHAPE[6]
+    BLOCK_Q: tl.constexpr = TILE[0]
+    BLOCK_M: tl.constexpr = TILE[1]
+    BLOCK_N: tl.constexpr = TILE[2]
+    query_ptr, acc_ptr, ml_ptr, q_strides, acc_strides, ml_strides = io
+    q_start, q_len, seq_len, floor = row
+    split_id, num_splits, min_chunk = split
+    k_head_ptr = kv[2]
+    context_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_local = q_first + offs_m // GROUP  # [BLOCK_M]
+    q_head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M]
+    m_valid = (offs_m < BLOCK_Q * GROUP) & (q_local < q_len)  # [BLOCK_M]
+    q_pos = context_len + q_local  # [BLOCK_M]
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM  # [BLOCK_D]
+
+    q_token = (q_start + q_local).to(tl.int64)
+    qo_mask = m_valid[:, None] & d_valid[None, :]  # [BLOCK_M, BLOCK_D]
+    q_ptrs = query_ptr + q_token[:, None] * q_strides[0] + q_head[:, None] * q_strides[1]
+    q = tl.load(q_ptrs + offs_d[None, :] * q_strides[2], mask=qo_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = q.to(tl.float32) if DOT_IN_FP32 else q.to(k_head_ptr.dtype.element_ty)
+
+    m_lo = tl.maximum(q_pos * 0 + floor, tl.where(sliding_window > 0, q_pos - sliding_window + 1, 0))
+    tile_first_pos = context_len + q_first
+    tile_lo = tl.maximum(floor, tl.where(sliding_window > 0, tile_first_pos - sliding_window + 1, 0))
+    tile_hi = context_len + tl.minimum(q_first + BLOCK_Q, q_len)
+    # This split's span [span_lo, span_hi) of the tile's keys.
+    per_split = (tl.maximum(tile_hi - tile_lo, 0) + num_splits - 1) // num_splits
+    chunk = tl.maximum((per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N, min_chunk)
+    span_lo = tile_lo + split_id * chunk
+    span_hi = tl.minimum(span_lo + chunk, tile_hi)
+    # The loads stay within the span (tile bounds), and so does each query's visible range: its highest
+    # key clamped to the span's last, its lowest raised to the span's first.
+    bounds = (tl.minimum(q_pos, span_hi - 1), tl.maximum(m_lo, span_lo), span_lo, span_hi)
+    cols = (offs_d, d_valid)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, m_i, l_i = _attend_span(
+        acc, m_i, l_i, q, span_lo, span_hi, bounds, kv, cols, scale_log2, True, SHAPE, TILE
+    )
+
+    ml_ptrs = ml_ptr + q_token * ml_strides[0] + q_head * ml_strides[1] + split_id * ml_strides[2]  # [M]
+    tl.store(ml_ptrs, m_i, mask=m_valid)
+    tl.store(ml_ptrs + ml_strides[3], l_i, mask=m_valid)
+    a_ptrs = acc_ptr + q_token[:, None] * acc_strides[0] + q_head[:, None] * acc_strides[1]
+    a_ptrs += split_id * acc_strides[2] + offs_d[None, :] * acc_strides[3]
+    non_empty = (offs_m * 0 + span_lo) < span_hi  # [BLOCK_M]: the span, broadcast to a mask's shape
+    tl.store(a_ptrs, acc, mask=qo_mask & non_empty[:, None])
+
+
+@triton.jit(do_not_specialize=["sliding_window", "min_chunk"])
+def _paged_attention_split_kernel(
+    query_ptr,  # [T, H_q, D]
+    k_cache_ptr,  # [num_blocks, block_size, H_kv, D]
+    v_cache_ptr,  # [num_blocks, block_size, H_kv, D]
+    acc_ptr,  # fp32 [T, H_q, S, D]: each split's unnormalised output
+    ml_ptr,  # fp32 [T, H_q, S, 2]: each split's base-2 running max and sum
+    block_table_ptr,  # int32 [B, max_blocks]
+    query_start_loc_ptr,  # int32 [B + 1]
+    seq_lens_ptr,  # int32 [B]
+    kv_floor_ptr,  # int32 [B]; not read without HAS_FLOOR
+    scale_log2,
+    sliding_window,
+    min_chunk,  # fewest keys a split takes, a multiple of BLOCK_N
+    q_strides,
+    k_strides,
+    v_strides,
+    acc_strides,  # acc's (token, head, split, dim)
+    ml_strides,  # ml's (token, head, split, [m, l])
+    bt_strides,
+    SHAPE: tl.constexpr,
+    TILE: tl.constexpr,  # the row layout's (BLOCK_Q, BLOCK_M, BLOCK_N, True)
+):
+    """Split-KV row layout, grid (B, H_kv, S): program (row, kv head, split) runs every query tile of the
+    row over split `split` of each tile's keys and stores the partials; _split_reduce_kernel combines
+    them. S comes from the host (the grid), never from seq_lens: CUDA-graph safe."""
+    HAS_FLOOR: tl.constexpr = SHAPE[4]
+    BLOCK_Q: tl.constexpr = TILE[0]
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split_id = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    q_start = tl.load(query_start_loc_ptr + row)
+    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + row)
+    floor = tl.maximum(tl.load(kv_floor_ptr + row), 0) if HAS_FLOOR else row * 0
+    block_table_row = block_table_ptr + row.to(tl.int64) * bt_strides[0]
+    k_head_ptr = k_cache_ptr + kv_head.to(tl.int64) * k_strides[2]
+    v_head_ptr = v_cache_ptr + kv_head.to(tl.int64) * v_strides[2]
+    kv = (block_table_row, bt_strides[1], k_head_ptr, v_head_ptr, k_strides, v_strides)
+    for q_first in range(q_len * 0, q_len, BLOCK_Q):  # once for a decode row, never for an idle one
+        _attend_query_tile_split(
+            (query_ptr, acc_ptr, ml_ptr, q_strides, acc_strides, ml_strides),
+            (q_start, q_len, seq_len, floor),
+            q_first,
+            kv_head,
+            kv,
+            sliding_window,
+            scale_log2,
+            (split_id, num_splits, min_chunk),
+            SHAPE,
+            TILE,
+        )
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_splits"])
+def _split_reduce_kernel(
+    acc_ptr,  # fp32 [T, H_q, S, D]
+    ml_ptr,  # fp32 [T, H_q, S, 2]
+    out_ptr,  # [T, H_q, D]
+    query_start_loc_ptr,  # int32 [B + 1]
+    num_rows,  # B
+    num_splits,  # S
+    acc_strides,
+    ml_strides,
+    o_strides,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHUNK_S: tl.constexpr,  # splits combined per step: all of them (S <= CHUNK_S) in one step
+):
+    """Grid (T, H_q): combines the S partials of one query token and head into its output:
+    out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s, online over chunks of
+    CHUNK_S splits. Splits with m_s = -inf (empty) weigh 0 and their acc (never written) is discarded
+    with a select, not a load mask, so every load of a chunk issues at once; a query that saw no key at
+    all gets 0 (as the one-launch kernel). Tokens past query_start_loc[B] (padding) are not written."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_real = tl.load(query_start_loc_ptr + num_rows)  # tokens past it are padding
+    ml_row = ml_ptr + token * ml_strides[0] + head * ml_strides[1]
+    acc_row = acc_ptr + token * acc_strides[0] + head * acc_strides[1]
+    offs_c = tl.arange(0, CHUNK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    real = (offs_d * 0 + token) < num_real  # [BLOCK_D]: this token, broadcast to the store's shape
+    m_run = tl.max(tl.full([CHUNK_S], float("-inf"), tl.float32), 0)  # fp32 scalar
+    l_run = tl.sum(tl.zeros([CHUNK_S], tl.float32), 0)
+    out = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        offs_s = s0 + offs_c
+        s_valid = offs_s < num_splits
+        s_ptrs = ml_row + offs_s * ml_strides[2]
+        m_s = tl.load(s_ptrs, mask=s_valid, other=float("-inf"))  # [CHUNK_S]
+        l_s = tl.load(s_ptrs + ml_strides[3], mask=s_valid, other=0.0)
+        a_ptrs = acc_row + offs_s[:, None] * acc_strides[2] + offs_d[None, :] * acc_strides[3]
+        acc_s = tl.load(a_ptrs, mask=s_valid[:, None] & d_valid[None, :], other=0.0)  # [CHUNK_S, BLOCK_D]
+        seen = m_s > float("-inf")
+        acc_s = tl.where(seen[:, None], acc_s, 0.0)
+        m_new = tl.maximum(m_run, tl.max(m_s, 0))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_shift)
+        weight = tl.exp2(m_s - m_shift)  # 0 where empty
+        l_run = l_run * alpha + tl.sum(tl.where(seen, weight * l_s, 0.0), 0)
+        out = out * alpha + tl.sum(acc_s * weight[:, None], 0)
+        m_run = m_new
+    out = out / tl.where(l_run > 0.0, l_run, 1.0)
+    o_ptrs = out_ptr + token * o_strides[0] + head * o_strides[1] + offs_d * o_strides[2]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_valid & real)
+
+
 def _paged_attention_triton(
     args: tuple, max_query_len: int | None, launch: AttentionLaunch | None = None, compile_only: bool = False
 ) -> torch.Tensor:
@@ -406,9 +595,15 @@ def _paged_attention_triton(
         max_query_len,
         sliding_window,
         launch,
+        block_table.shape[1] * block_size,  # the most keys a row can have (max_model_len): host-known
     )
     dot_precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     dot_in_fp32 = interpreting() and k_cache.dtype == torch.bfloat16
+    shape = (head_dim, block_d, block_size, group, kv_floor is not None, dot_precision, dot_in_fp32)
+    floor_arg = kv_floor if kv_floor is not None else seq_lens
+    if plan.kv_splits > 1:
+        _split_attention(args, plan, shape, floor_arg, out, compile_only)
+        return out
     kernel = _paged_attention_kernel
     run = functools.partial(kernel.warmup, grid=plan.grid) if compile_only else kernel[plan.grid]
     run(
@@ -419,7 +614,7 @@ def _paged_attention_triton(
         block_table,
         query_start_loc,
         seq_lens,
-        kv_floor if kv_floor is not None else seq_lens,
+        floor_arg,
         num_rows,
         num_kv_heads,
         scale * _LOG2E,
@@ -429,12 +624,82 @@ def _paged_attention_triton(
         v_cache.stride(),
         out.stride(),
         block_table.stride(),
-        SHAPE=(head_dim, block_d, block_size, group, kv_floor is not None, dot_precision, dot_in_fp32),
+        SHAPE=shape,
         TILE=plan.tile,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
     return out
+
+
+def _split_attention(
+    args: tuple,
+    plan: LaunchPlan,
+    shape: tuple,
+    floor_arg: torch.Tensor,
+    out: torch.Tensor,
+    compile_only: bool,
+) -> None:
+    """The split-KV path: the partials kernel over grid (B, H_kv, S), then the reduction over (T, H_q).
+    The partials are one fp32 buffer of T x H_q x S x (D + 2), sized from host values only (so a CUDA
+    graph captures its allocation from the graph's pool); nothing of it is read before it is written."""
+    query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, sliding_window, _, _ = args
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_rows = seq_lens.shape[0]
+    splits = plan.kv_splits
+    partials = torch.empty(
+        num_tokens * num_q_heads * splits * (head_dim + 2), dtype=torch.float32, device=query.device
+    )
+    n_acc = num_tokens * num_q_heads * splits * head_dim
+    acc = partials[:n_acc].view(num_tokens, num_q_heads, splits, head_dim)
+    ml = partials[n_acc:].view(num_tokens, num_q_heads, splits, 2)
+    split_kernel, reduce_kernel = _paged_attention_split_kernel, _split_reduce_kernel
+    reduce_grid = (num_tokens, num_q_heads)
+    if compile_only:
+        run_split = functools.partial(split_kernel.warmup, grid=plan.grid)
+        run_reduce = functools.partial(reduce_kernel.warmup, grid=reduce_grid)
+    else:
+        run_split, run_reduce = split_kernel[plan.grid], reduce_kernel[reduce_grid]
+    run_split(
+        query,
+        k_cache,
+        v_cache,
+        acc,
+        ml,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        floor_arg,
+        scale * _LOG2E,
+        sliding_window,
+        plan.split_min_keys,
+        query.stride(),
+        k_cache.stride(),
+        v_cache.stride(),
+        acc.stride(),
+        ml.stride(),
+        block_table.stride(),
+        SHAPE=shape,
+        TILE=plan.tile,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )
+    block_d = shape[1]
+    run_reduce(
+        acc,
+        ml,
+        out,
+        query_start_loc,
+        num_rows,
+        splits,
+        acc.stride(),
+        ml.stride(),
+        out.stride(),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        CHUNK_S=min(next_pow2(splits), max(1, 8192 // block_d)),
+        num_warps=4,
+    )
 
 
 def paged_attention(

@@ -17,6 +17,16 @@ DECODE_MAX_WAVES waves of (row, kv head) programs on the GPU (75.7 against 97.2 
 q / 4 kv heads at batch 64, 2k context: 256 programs), 64-key steps beyond that (128-key steps ran 4-5%
 slower at 512+ programs) and over windows of at most SHORT_WINDOW keys (as fast at B = 64, 11.3 us;
 faster at B = 256, 27.7 against 33.2 us).
+
+Split-KV decode: a decode-shaped launch (max_query_len == 1) whose (row, kv head) programs cannot fill
+the GPU (fewer than SPLIT_PROGRAMS_PER_SM per multiprocessor; batch 1 or 8 at 4 kv heads gives 4 or 32
+programs for 132 SMs) splits each row's key range over `kv_splits` programs, each writing a partial
+softmax (max, sum, unnormalised output), and a second small launch combines them (`attention.py`). The
+split count is a function of host-known values only (rows, kv heads, the multiprocessor count and the
+key bound: the block table's width times the block size, i.e. max_model_len, capped by the window), never
+of the device seq_lens, so a CUDA graph captures it; the kernel spreads each row's actual keys over the
+splits, leaving the splits a short row does not need empty. Launches that already fill the GPU keep the
+one-launch row layout unchanged.
 """
 
 from __future__ import annotations
@@ -41,12 +51,19 @@ class AttentionLaunch:
     num_warps: int | None = None  # None: 4 for up to 64 score rows, else 8
     num_stages: int = 2  # software-pipelining depth of the key loop
     row_programs: bool = False  # the row layout (decode); False: the tile layout (prefill)
+    # Split-KV (row layout only): each row's keys spread over this many programs per kv head, combined by
+    # a second launch; 1 = one program per (row, kv head). The policy picks it for decode (decode_kv_splits).
+    kv_splits: int = 1
+    # Fewest keys a split takes (rounded up to whole key steps), so a short row fills few splits; also
+    # bounds kv_splits by the key bound (SPLIT_MIN_KEYS for the policy's launches).
+    split_min_keys: int = 256
 
     def tag(self) -> str:
         """A short name for tables: layout, score rows, keys per step, warps, stages."""
         warps = "auto" if self.num_warps is None else self.num_warps
         layout = "rows" if self.row_programs else "tiles"
-        return f"{layout} M{self.block_m} N{self.block_n} w{warps} s{self.num_stages}"
+        split = f" split{self.kv_splits}/{self.split_min_keys}" if self.kv_splits > 1 else ""
+        return f"{layout} M{self.block_m} N{self.block_n} w{warps} s{self.num_stages}{split}"
 
 
 # The defaults (see the module docstring): full-size tiles take PREFILL_LAUNCH; tiles that max_query_len
@@ -57,15 +74,33 @@ DECODE_LAUNCH = AttentionLaunch(block_n=128, row_programs=True)
 DECODE_SHORT_STEP_LAUNCH = AttentionLaunch(block_n=64, row_programs=True)
 DECODE_MAX_WAVES = 2
 SHORT_WINDOW = 128
+# Split-KV decode (decode_kv_splits): split while rows x kv heads give fewer than SPLIT_PROGRAMS_PER_SM
+# programs per multiprocessor, into at most that many programs in all, each taking >= SPLIT_MIN_KEYS keys.
+SPLIT_PROGRAMS_PER_SM = 2
+SPLIT_MIN_KEYS = 256
 
 
 class LaunchPlan(NamedTuple):
     """What one kernel launch takes from the policy."""
 
-    grid: tuple[int, ...]
+    grid: tuple[int, ...]  # split-KV: (B, H_kv, kv_splits)
     tile: tuple[int, int, int, bool]  # the kernel's TILE: (BLOCK_Q, BLOCK_M, BLOCK_N, ROW_PROGRAMS)
     num_warps: int
     num_stages: int
+    kv_splits: int = 1  # > 1: the split-KV kernel and its reduction instead of the one-launch kernel
+    split_min_keys: int = 0  # keys a split takes at least (a multiple of BLOCK_N); split-KV only
+
+
+def decode_kv_splits(
+    num_rows: int, num_kv_heads: int, key_bound: int, sms: int, min_keys: int = SPLIT_MIN_KEYS
+) -> int:
+    """How many programs per (row, kv head) a decode launch splits each row's keys over: as many as keep
+    rows x kv heads x splits within SPLIT_PROGRAMS_PER_SM programs per multiprocessor (so 1 once the
+    batch alone fills the GPU to that share), and no more than `key_bound` (the most keys a row can
+    read: the block table's width times the block size, capped by the window) holds splits of
+    `min_keys`. Host values only: the same for every replay of a CUDA graph."""
+    splits = (SPLIT_PROGRAMS_PER_SM * sms) // max(1, num_rows * num_kv_heads)
+    return max(1, min(splits, -(-max(key_bound, 1) // max(min_keys, 1))))
 
 
 def tile_shape(group: int, max_query_len: int | None, max_block_m: int) -> tuple[int, int]:
@@ -157,6 +192,14 @@ def device_limits(device_index: int) -> tuple[int, int]:
     return int(limit) - 8192, max(1, props.multi_processor_count)
 
 
+def device_shape(device: torch.device) -> tuple[int | None, int | None]:
+    """(shared memory bytes a program may take, multiprocessors) of `device`, or (None, None) under
+    Triton's interpreter (no limit, no program-count rules). Tests patch it to try the GPU rules."""
+    if interpreting():
+        return None, None
+    return device_limits(device.index or 0)
+
+
 def plan_launch(
     num_tokens: int,
     num_rows: int,
@@ -167,22 +210,38 @@ def plan_launch(
     max_query_len: int | None,
     sliding_window: int,
     launch: AttentionLaunch | None,
+    key_bound: int = 0,
 ) -> LaunchPlan:
     """The grid, tile and compile options of one launch over `num_rows` rows of `num_tokens` queries.
 
     The tile layout numbers the query tiles of the whole batch without a host-side table (row b owns the
     ids from query_start_loc[b] // BLOCK_Q + b on), so num_tokens // BLOCK_Q + num_rows ids cover every
-    row; its one grid axis runs tiles x kv heads, kv heads fastest.
+    row; its one grid axis runs tiles x kv heads, kv heads fastest. Without an explicit `launch`, a
+    decode launch (max_query_len == 1) too small to fill the GPU splits its keys (decode_kv_splits, over
+    `key_bound` keys: the block table's width times the block size); an explicit launch splits by its
+    kv_splits.
     """
-    if interpreting():
-        smem, waves = None, 0.0
-    else:
-        smem, sms = device_limits(device.index or 0)
-        waves = num_rows * num_kv_heads / sms
+    smem, sms = device_shape(device)
+    waves = 0.0 if sms is None else num_rows * num_kv_heads / sms
+    splits = 1
+    min_keys = SPLIT_MIN_KEYS
+    if launch is None and max_query_len == 1 and sms is not None:
+        bound = min(key_bound, sliding_window) if sliding_window > 0 else key_bound
+        splits = decode_kv_splits(num_rows, num_kv_heads, bound, sms, min_keys)
+        waves *= splits
+    elif launch is not None and launch.kv_splits > 1:
+        if not launch.row_programs:
+            raise ValueError("kv_splits > 1 needs the row layout (row_programs=True)")
+        splits, min_keys = launch.kv_splits, launch.split_min_keys
     block_q, launch = launch_config(group, max_query_len, launch, sliding_window, key_row_bytes, smem, waves)
-    if launch.row_programs:
-        grid: tuple[int, ...] = (num_rows, num_kv_heads)
+    if splits > 1 and not launch.row_programs:  # a policy split only applies to the decode (row) layout
+        splits = 1
+    if splits > 1:
+        grid: tuple[int, ...] = (num_rows, num_kv_heads, splits)
+    elif launch.row_programs:
+        grid = (num_rows, num_kv_heads)
     else:
         grid = ((num_tokens // block_q + num_rows) * num_kv_heads,)
     tile = (block_q, launch.block_m, launch.block_n, launch.row_programs)
-    return LaunchPlan(grid, tile, launch.num_warps, launch.num_stages)
+    min_chunk = -(-max(min_keys, 1) // launch.block_n) * launch.block_n
+    return LaunchPlan(grid, tile, launch.num_warps, launch.num_stages, splits, min_chunk if splits > 1 else 0)
