@@ -64,7 +64,10 @@ def graph_time_us(fn, calls: int, replays: int = 20) -> float:
 
 def decode_floor_bytes(llm: LLM, batch: int, context: int) -> tuple[int, int]:
     model = llm.engine.worker.model
+    # Every weight is read once per step, but an untied embedding table only at the batch's rows.
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.embed.weight is not model.lm_head.weight:
+        weights -= model.embed.weight.numel() * model.embed.weight.element_size()
     cfg = model.config
     elt = next(model.parameters()).element_size()
     per_token = 2 * cfg.num_kv_heads * cfg.head_dim * elt  # k and v of one layer
@@ -174,11 +177,13 @@ def main() -> None:
         weights, kv = decode_floor_bytes(llm, args.batch, args.context)
         floor = (weights + kv) / bw
         med = statistics.median(times[2:])
+        mean = statistics.fmean(times[2:])  # total decode time / steps: immune to uneven intervals
         results[label] = toks
         medians[label] = med
         print(
             f"decode B={args.batch} ctx={args.context} {label}: step median {med * 1e3:.3f} ms "
-            f"(p90 {np.percentile(times, 90) * 1e3:.3f}), floor {floor * 1e3:.3f} ms "
+            f"(mean {mean * 1e3:.3f}, {mean / floor:.2f}x the floor; min {min(times) * 1e3:.3f}, "
+            f"p90 {np.percentile(times, 90) * 1e3:.3f}, {len(times)} steps), floor {floor * 1e3:.3f} ms "
             f"(weights {weights / 1e9:.2f} GB + KV {kv / 1e9:.2f} GB), {med / floor:.2f}x the floor, "
             f"{args.batch / med:.0f} tokens/s",
             flush=True,
