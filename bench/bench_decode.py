@@ -88,8 +88,15 @@ def run(
 ) -> tuple[list[float], LLM, list[list[int]], object]:
     """Decodes `steps` tokens for `batch` requests; returns the decode step times, the LLM, each request's
     tokens and, with profile_steps > 0, a torch.profiler run over that many steady decode steps (from
-    the tenth on; those steps' times are then not representative)."""
-    max_len = context + steps + 16
+    the tenth on; those steps' times are then not representative).
+
+    The prompts are prefilled over several steps, and a request decodes from the step its prefill ends,
+    so each request asks for `steps` tokens more than the prefill takes steps: the `steps` timed steps
+    all run the whole batch (a request that finished would shrink the batch, and the KV the step reads,
+    inside the timed window)."""
+    prefill_steps = -(-batch * context // 8192) + 2
+    max_tokens = steps + prefill_steps + 2
+    max_len = context + max_tokens + 16
     blocks = batch * (-(-max_len // 16) + 1) + 1
     llm = LLM(
         model=model,
@@ -106,7 +113,7 @@ def run(
     vocab = min(llm.config.model.vocab_size, 1000)
     prompts = [rng.integers(0, vocab, context).tolist() for _ in range(batch)]
     engine = llm.engine
-    params = SamplingParams(max_tokens=steps, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(batch)}
@@ -125,7 +132,7 @@ def run(
             prof.start()
         updates = engine.step()
         now = time.perf_counter()
-        if decoding and last is not None:
+        if decoding and last is not None and len(times) < steps:
             times.append(now - last)
             if prof is not None and len(times) == 10 + profile_steps:
                 torch.cuda.synchronize()
