@@ -10,6 +10,7 @@ compiles or cache loads of the decode kernels), engine (everything else up to a 
 (a 16-token prompt to its first generated token: the prefill kernels compile here when the cache is cold).
 
     python3 bench/bench_cold_start.py [--model bench] [--json out.json]
+    python3 bench/bench_cold_start.py --device cpu --model tiny   # a CPU smoke run (no CUDA graphs)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import tempfile
 import time
 
 
-def child(model: str, backend: str) -> dict:
+def child(model: str, backend: str, device: str) -> dict:
     t0 = time.perf_counter()
     import torch  # noqa: F401
 
@@ -37,7 +38,7 @@ def child(model: str, backend: str) -> dict:
         ensure_ray(None)
         ray_s = time.perf_counter() - t_import
     t1 = time.perf_counter()
-    llm = LLM(model=model, device="cuda", backend=backend, max_model_len=4096, num_blocks=4096)
+    llm = LLM(model=model, device=device, backend=backend, max_model_len=4096, num_blocks=4096)
     t2 = time.perf_counter()
     worker = llm.engine.worker.startup_s if backend == "inprocess" else {}
     out = llm.generate(
@@ -56,17 +57,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="bench")
     ap.add_argument("--json", default="")
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(child(args.model, args.child)), flush=True)
+        print("RESULT " + json.dumps(child(args.model, args.child, args.device)), flush=True)
         return
     cache = tempfile.mkdtemp(prefix="triton-cache-")
     runs = []
     for label, backend in (("cold cache", "inprocess"), ("warm cache", "inprocess"), ("warm cache", "ray")):
         env = dict(os.environ, TRITON_CACHE_DIR=cache)
         proc = subprocess.run(
-            [sys.executable, __file__, "--model", args.model, "--child", backend],
+            [sys.executable, __file__, "--model", args.model, "--device", args.device, "--child", backend],
             env=env,
             capture_output=True,
             text=True,
