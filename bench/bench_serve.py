@@ -77,11 +77,11 @@ async def completion_choices(response: httpx.Response, record) -> AsyncIterator[
 
 
 async def stream_one(
-    http: httpx.AsyncClient, url: str, headers: dict, prompt: str, max_tokens: int
+    http: httpx.AsyncClient, url: str, headers: dict, prompt: str, max_tokens: int, model: str
 ) -> RequestRecord:
     rec = RequestRecord(prompt, time.perf_counter())
     body = {
-        "model": "tiny",
+        "model": model,  # the served name: a wrong one is a 404
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -102,7 +102,13 @@ async def stream_one(
 
 
 async def run_load(
-    url: str, api_key: str | None, clients: int, duration_s: float, max_tokens: int, prompt_len: int
+    url: str,
+    api_key: str | None,
+    clients: int,
+    duration_s: float,
+    max_tokens: int,
+    prompt_len: int,
+    model: str = "tiny",
 ):
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
@@ -110,7 +116,7 @@ async def run_load(
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as http:
         # Warm-up (not recorded): the first requests pay for connection set-up and lazy initialisation.
         await asyncio.gather(
-            *(stream_one(http, url, headers, make_prompt(999, i, prompt_len), 4) for i in range(4))
+            *(stream_one(http, url, headers, make_prompt(999, i, prompt_len), 4, model) for i in range(4))
         )
         start = time.perf_counter()
         deadline = start + duration_s
@@ -125,7 +131,7 @@ async def run_load(
             seq = 0
             while time.perf_counter() < deadline:
                 records.append(
-                    await stream_one(http, url, headers, make_prompt(idx, seq, prompt_len), max_tokens)
+                    await stream_one(http, url, headers, make_prompt(idx, seq, prompt_len), max_tokens, model)
                 )
                 seq += 1
 
@@ -312,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url.rstrip("/") if args.url else start_server(app_args, "bench")
     try:
         records, start = asyncio.run(
-            run_load(url, args.api_key, args.clients, args.duration, args.max_tokens, args.prompt_len)
+            run_load(
+                url, args.api_key, args.clients, args.duration, args.max_tokens, args.prompt_len, args.model
+            )
         )
     finally:
         if not args.url:
