@@ -33,8 +33,34 @@ from raystate.engine_args import (
     resolve_model,
 )
 from raystate.errors import InvalidRequest
-from raystate.messages import SamplingParams
+from raystate.messages import SamplingParams, unpack_logprobs
 from raystate.serve.text import load_model_text
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability (vLLM's `Logprob`): rank 1 is the most likely token."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# Per token: {token_id: Logprob} holding the token itself and its top alternatives (vLLM's shape).
+TokenLogprobs = dict[int, Logprob]
+
+
+def logprob_dicts(data: bytes) -> list[TokenLogprobs]:
+    """Wire records (`raystate.messages.pack_logprobs`) as one dict per token; the token's own entry
+    first, then its alternatives, ranked 1, 2, ... (a token among them keeps its own rank)."""
+    ids, lps, ranks = unpack_logprobs(data)
+    out: list[TokenLogprobs] = []
+    for row_ids, row_lps, rank in zip(ids.tolist(), lps.tolist(), ranks.tolist(), strict=True):
+        d = {row_ids[0]: Logprob(row_lps[0], rank)}
+        for j in range(1, len(row_ids)):
+            d.setdefault(row_ids[j], Logprob(row_lps[j], j))
+        out.append(d)
+    return out
 
 
 @dataclass
@@ -48,6 +74,10 @@ class RequestOutput:
     num_cached_tokens: int = 0  # the prefix-cache hit h in tokens, 0 when none was used
     replay_start: int = 0
     error: str | None = None  # why, when finish_reason is "error" (this request alone failed)
+    # With SamplingParams.logprobs: one {token_id: Logprob} per output token (the token and its top k).
+    logprobs: list[TokenLogprobs] | None = None
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -195,7 +225,7 @@ class LLM:
                 for queued in order:
                     self.engine.abort(queued)
                 raise
-            outputs[rid] = RequestOutput(request_id=rid, prompt=text, prompt_token_ids=ids)
+            outputs[rid] = _new_output(rid, text, ids, sp)
             order.append(rid)
         bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm or len(order) < 2)
         pending = set(order)
@@ -210,7 +240,7 @@ class LLM:
         batch = []
         for (text, ids), sp in zip(items, params, strict=True):
             rid = f"req-{next(self._ids)}"
-            outputs[rid] = RequestOutput(request_id=rid, prompt=text, prompt_token_ids=ids)
+            outputs[rid] = _new_output(rid, text, ids, sp)
             batch.append((rid, ids, sp))
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.cluster.submit(batch, inbox.put)  # InvalidRequest withdraws the whole batch
@@ -233,7 +263,20 @@ class LLM:
         bar.close()
         for out in outputs.values():
             out.text = self.text.decode(out.token_ids)
+            for per_token in (out.logprobs or [], out.prompt_logprobs or []):
+                for d in per_token:
+                    for tid, lp in (d or {}).items():
+                        lp.decoded_token = self.text.decode([tid], skip_special_tokens=False)
         return [outputs[r] for r in order]
+
+
+def _new_output(rid: str, text: str | None, ids: list[int], sp: SamplingParams) -> RequestOutput:
+    out = RequestOutput(request_id=rid, prompt=text, prompt_token_ids=ids)
+    if sp.logprobs is not None:
+        out.logprobs = []
+    if sp.prompt_logprobs is not None:
+        out.prompt_logprobs = [None]
+    return out
 
 
 def _apply_update(outputs: dict[str, RequestOutput], pending: set[str], bar, u) -> None:
@@ -241,6 +284,10 @@ def _apply_update(outputs: dict[str, RequestOutput], pending: set[str], bar, u) 
     if out is None:
         return
     out.token_ids.extend(u.new_token_ids)
+    if u.logprobs and out.logprobs is not None:
+        out.logprobs.extend(logprob_dicts(u.logprobs))
+    if u.prompt_logprobs and out.prompt_logprobs is not None:
+        out.prompt_logprobs.extend(logprob_dicts(u.prompt_logprobs))
     out.num_cached_tokens = u.num_cached_tokens
     out.replay_start = u.replay_start
     if u.finished:

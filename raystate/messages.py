@@ -10,6 +10,7 @@ the wire) and `gc=False` keeps these short-lived objects out of the cyclic GC.
 from __future__ import annotations
 
 import array
+import json
 import sys
 
 import msgspec
@@ -60,6 +61,23 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_p: float = 0.0  # keep tokens with probability >= min_p * the largest (after temperature)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until the output has this many tokens
+    # Log-probabilities (raystate/worker/logprobs.py): of each output token plus the `logprobs` most
+    # likely, and of each prompt token (from position 1) plus the `prompt_logprobs` most likely; None:
+    # off, 0: the token's own only. From the logits after the logit controls above and before
+    # temperature, top-k, top-p and min_p (log_softmax in fp32). A request with prompt_logprobs does not
+    # use a prefix-cache hit (every prompt position is computed).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Structured output (raystate/worker/structured.py): the output must be JSON that `json_schema` (a JSON
+    # Schema, as JSON text) accepts, or with `json_object` any JSON object. The worker masks every token
+    # the grammar does not allow (EOS only once the JSON is complete); at most one of the two is set.
+    json_schema: str | None = None
+    json_object: bool = False
+
+    @property
+    def structured(self) -> bool:
+        """Whether the worker constrains this request's tokens with a grammar."""
+        return self.json_schema is not None or bool(self.json_object)
 
     @property
     def has_logit_controls(self) -> bool:
@@ -115,6 +133,16 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
             raise InvalidRequest(
                 "min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise InvalidRequest(name, f"an integer in [0, {MAX_LOGPROBS}] or None", v)
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequest("json_object", "a boolean", self.json_object)
+        if self.json_schema is not None:
+            _check_json_schema(self.json_schema)
+            if self.json_object:
+                raise InvalidRequest("json_object", "false when json_schema is set", self.json_object)
 
 
 MAX_INT32 = 2**31 - 1
@@ -125,6 +153,22 @@ MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (Open
 MAX_REPETITION_PENALTY = 2.0
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 MAX_BIAS_VALUE = 100.0
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
+MAX_JSON_SCHEMA_CHARS = 65536
+
+
+def _check_json_schema(schema: object) -> None:
+    """A JSON Schema as text: a JSON object or boolean (the grammar library checks the keywords)."""
+    if not isinstance(schema, str):
+        raise InvalidRequest("json_schema", "a string (JSON text)", type(schema).__name__)
+    if len(schema) > MAX_JSON_SCHEMA_CHARS:
+        raise InvalidRequest("json_schema", f"at most {MAX_JSON_SCHEMA_CHARS} characters", len(schema))
+    try:
+        value = json.loads(schema)
+    except (ValueError, RecursionError):
+        raise InvalidRequest("json_schema", "JSON text (a JSON Schema)", schema[:200]) from None
+    if not isinstance(value, dict | bool):
+        raise InvalidRequest("json_schema", "a JSON object (a JSON Schema)", schema[:200])
 
 
 def _is_int(x: object) -> bool:
@@ -184,6 +228,11 @@ class StepResult(msgspec.Struct, array_like=True, gc=False):
     sampled: bytes  # int32 LE [len(req_ids)]
     execute_ns: int = 0
     errors: dict[str, str] = {}
+    # Rows whose request asks for logprobs: the sampled token's record (pack_logprobs). Prompt logprobs:
+    # one record per position p of the row's chunk with p + 1 < its prompt length (the prompt token at
+    # p + 1 given the logits at p).
+    logprobs: dict[str, bytes] = {}
+    prompt_logprobs: dict[str, bytes] = {}
 
 
 class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
@@ -196,6 +245,46 @@ class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
     num_cached_tokens: int  # prefix hit h used at the latest admission (0: none or dropped)
     replay_start: int  # replay start of the latest admission (DESIGN 3.3; 0 without replay)
     error: str | None = None  # why, when finish_reason is "error" (this request alone failed)
+    logprobs: bytes = b""  # records of new_token_ids (pack_logprobs), when the request asks for them
+    # With prompt_logprobs: records of prompt tokens 1..P-1, on the update carrying the first output token
+    prompt_logprobs: bytes = b""
+
+
+# -- log-probability records ------------------------------------------------------------------------------
+# A record per token: int32 LE [2 + 2 W]: W (entries), rank (of the token: 1 + tokens with a larger
+# logprob), then W (id int32, logprob fp32) pairs: the token itself first, then its top W - 1 alternatives.
+# Records of one request share W, so blobs concatenate.
+
+
+def pack_logprobs(ids, logprobs, ranks) -> bytes:
+    """ids int [n, W], logprobs float [n, W], ranks int [n] (numpy or lists) -> records."""
+    import numpy as np
+
+    ids = np.asarray(ids, dtype="<i4")
+    n, w = ids.shape if ids.ndim == 2 else (0, 0)
+    out = np.empty((n, 2 + 2 * w), dtype="<i4")
+    out[:, 0] = w
+    out[:, 1] = np.asarray(ranks, dtype="<i4").reshape(n)
+    out[:, 2::2] = ids
+    out[:, 3::2] = np.asarray(logprobs, dtype="<f4").reshape(n, w).view("<i4")
+    return out.tobytes()
+
+
+def unpack_logprobs(data: bytes):
+    """Records -> (ids int32 [n, W], logprobs fp32 [n, W], ranks int32 [n]) as numpy arrays."""
+    import numpy as np
+
+    if not data:
+        return np.zeros((0, 0), "<i4"), np.zeros((0, 0), "<f4"), np.zeros(0, "<i4")
+    a = np.frombuffer(data, dtype="<i4")
+    w = int(a[0])
+    rec = a.reshape(-1, 2 + 2 * w)
+    return rec[:, 2::2].copy(), rec[:, 3::2].copy().view("<f4"), rec[:, 1].copy()
+
+
+def logprob_record_size(data: bytes) -> int:
+    """Bytes per record of a non-empty blob."""
+    return 4 * (2 + 2 * int.from_bytes(data[:4], "little", signed=True))
 
 
 # -- client <-> scheduler actor (the Ray backend) ---------------------------------------------------------

@@ -178,7 +178,9 @@ class KVManager:
         pools = self.pools
         block_ids: list[list[int]] = list(map(list, self._no_blocks))
         plan = NO_HIT
-        if self._cacheable_indices:
+        # A request with prompt_logprobs takes no hit: every prompt position's logits are computed (its
+        # full blocks are still registered for later requests as they fill).
+        if self._cacheable_indices and req.sampling.prompt_logprobs is None:
             hit = self.hit_block_ids(req)
             plan = plan_replay(len(hit[0]), req.num_tokens, bs, self.replay_tokens)
             if plan.num_shared_blocks:  # then every hit list has exactly that many blocks

@@ -63,6 +63,8 @@ class Request:
         "min_stop_tokens",
         "eos_token_id",
         "stop_token_ids",
+        "prompt_logprobs",
+        "prompt_logprobs_next",
     )
 
     def __init__(
@@ -108,6 +110,10 @@ class Request:
         # finish a request exactly as EOS does.
         extra_eos = () if sampling.ignore_eos else extra_eos_token_ids
         self.stop_token_ids = frozenset((*sampling.stop_token_ids, *extra_eos))
+        # With sampling.prompt_logprobs: the records received so far (sent with the first output token,
+        # then None) and the next prompt position they lack (a recomputed chunk's repeats are dropped).
+        self.prompt_logprobs: list[bytes] | None = [] if sampling.prompt_logprobs is not None else None
+        self.prompt_logprobs_next = 0
 
     # -- token history ---------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from raystate.messages import (
     StepMessage,
     StepResult,
     bytes_to_ids,
+    logprob_record_size,
 )
 from raystate.scheduler.kv_manager import KVManager
 from raystate.scheduler.request import Request, RequestStatus
@@ -319,6 +320,8 @@ class ShardScheduler:
         # A normal step's rows hold their counts in num_scheduled; a lookahead step (which leaves those
         # alone) lists its own.
         counts = step.counts if step.counts is not None else map(_num_scheduled, step.rows)
+        logprobs = result.logprobs
+        prompt_logprobs = result.prompt_logprobs
         for req, n, token in zip(step.rows, counts, sampled, strict=True):  # the hot loop
             if req.status is not running:  # aborted, or finished by the step before (lookahead)
                 continue
@@ -330,6 +333,8 @@ class ShardScheduler:
                     RequestUpdate(req.req_id, [], True, "error", req.num_cached_tokens, req.replay_start, why)
                 )
                 continue
+            if prompt_logprobs and req.req_id in prompt_logprobs:
+                _collect_prompt_logprobs(req, prompt_logprobs[req.req_id])
             computed = req.num_computed + n
             req.num_computed = computed
             req.num_scheduled = 0
@@ -355,15 +360,21 @@ class ShardScheduler:
             else:
                 reason = None
             if reason is None:
-                updates.append(
-                    RequestUpdate(req.req_id, [token], False, None, req.num_cached_tokens, req.replay_start)
+                update = RequestUpdate(
+                    req.req_id, [token], False, None, req.num_cached_tokens, req.replay_start
                 )
             else:
                 self._finish(req, reason)
                 finished.append(req)
-                updates.append(
-                    RequestUpdate(req.req_id, [token], True, reason, req.num_cached_tokens, req.replay_start)
+                update = RequestUpdate(
+                    req.req_id, [token], True, reason, req.num_cached_tokens, req.replay_start
                 )
+            if logprobs:
+                update.logprobs = logprobs.get(req.req_id, b"")
+            if req.prompt_logprobs is not None:  # the first output token: the prompt's records with it
+                update.prompt_logprobs = b"".join(req.prompt_logprobs)
+                req.prompt_logprobs = None
+            updates.append(update)
         return updates, finished
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -421,3 +432,18 @@ class ShardScheduler:
                 )
         for req in self.waiting:
             assert not req.block_ids, f"waiting request {req.req_id!r} holds blocks"
+
+
+def _collect_prompt_logprobs(req: Request, blob: bytes) -> None:
+    """Keeps a chunk's prompt-logprob records (one per position from the chunk start, req.num_computed)
+    that the request does not have yet: a chunk computed again after preemption repeats some."""
+    if req.prompt_logprobs is None or not blob:  # sent already
+        return
+    start = req.num_computed
+    size = logprob_record_size(blob)
+    skip = req.prompt_logprobs_next - start
+    if skip > 0:
+        blob = blob[skip * size :]
+    if blob:
+        req.prompt_logprobs.append(blob)
+        req.prompt_logprobs_next = max(start, req.prompt_logprobs_next) + len(blob) // size

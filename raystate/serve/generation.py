@@ -41,12 +41,18 @@ class Prepared:
     return_token_ids: bool
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    # completions `echo`: the prompt's text, sent before the output (None: no echo); `prompt_only`:
+    # max_tokens 0 with echo, run for one token that is dropped
+    echo_text: str | None = None
+    prompt_only: bool = False
 
 
 class Delta(NamedTuple):
     text: str
     token_ids: list[int]
     finish_reason: str | None  # set on the last delta only
+    logprobs: bytes = b""  # records of token_ids (raystate.messages.pack_logprobs), when asked for
+    prompt_logprobs: bytes = b""  # prompt tokens 1.. (on the first delta with a token), when asked for
 
 
 class Generation:
@@ -69,6 +75,8 @@ class Generation:
         self._done = False  # the backend finished the request (nothing to abort)
         self._closed = False
         self.token_ids: list[int] = []
+        self.logprobs = bytearray()  # records of token_ids, when the request asks for them
+        self.prompt_logprobs = b""
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
         self.replay_start = 0
@@ -108,6 +116,9 @@ class Generation:
                     self._metrics.inter_token.observe(gap)
             self._last_token_t = now
         self.token_ids.extend(new)
+        self.logprobs += update.logprobs
+        if update.prompt_logprobs:
+            self.prompt_logprobs = update.prompt_logprobs
         self.num_cached_tokens = update.num_cached_tokens
         self.replay_start = update.replay_start
         if update.finish_reason == "error":  # this request alone failed; the metrics count it
@@ -120,7 +131,7 @@ class Generation:
         elif update.finished:
             self.finish_reason = update.finish_reason or "stop"
             self._done = True
-        return Delta(text, new, self.finish_reason)
+        return Delta(text, new, self.finish_reason, update.logprobs, update.prompt_logprobs)
 
     @property
     def text(self) -> str:
@@ -128,6 +139,8 @@ class Generation:
 
     def usage(self) -> Usage:
         n_prompt, n_out = len(self._prep.prompt_ids), len(self.token_ids)
+        if self._prep.prompt_only:
+            n_out = 0
         replayed = self.num_cached_tokens - self.replay_start if self.replay_start else 0
         return Usage(
             prompt_tokens=n_prompt,

@@ -5,7 +5,7 @@ Unknown request fields are ignored, as vLLM ignores them (OpenAI's SDKs send fie
 logs one warning per request naming them. Fields whose JSON type is a union (`prompt`, `stop`, message
 `content`, `tool_choice`) are checked by our own validators, so that a validation error's location is
 always the field's own name (`prompt`, `messages[0].role`) and never a pydantic union tag. Parameters
-raystate does not implement (`_NEUTRAL_ONLY`: `n`, `logprobs`, `echo`, `tools`, `response_format`, ...)
+raystate does not implement (`_NEUTRAL_ONLY`: `n`, `best_of`, `suffix`, `tools`, ...)
 are accepted only at their neutral value, so a client that relies on them gets a 400 naming the field
 instead of a quietly different answer.
 
@@ -52,6 +52,7 @@ MAX_ERROR_CHARS = 1024  # an error's message and param (see error_body)
 MAX_PARAM_PART_CHARS = 64  # a client-made name (an unknown field) in an error's param (see field_path)
 MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs entries
 MAX_DETOKENIZE_IDS = 1 << 17  # /detokenize ids (the body cap bounds them first)
+MAX_LOGPROBS = 20  # completions `logprobs`, chat `top_logprobs` (OpenAI's limit)
 # Variables the chat template renderer sets itself: not settable through chat_template_kwargs.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template",
@@ -269,9 +270,6 @@ def _one(v: Any) -> bool:
 # never checked); `_neutral_only` checks the value after pydantic has checked its type.
 _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (_one, "only n=1 is supported"),
-    "logprobs": (_unset, "logprobs are not supported"),
-    "top_logprobs": (_unset, "logprobs are not supported"),
-    "echo": (_unset, "echo is not supported"),
     "best_of": (_one, "only best_of=1 is supported"),
     "suffix": (_unset, "suffix is not supported"),
     "tools": (_unset, "tools are not supported"),
@@ -280,8 +278,41 @@ _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: v is None or (isinstance(v, str) and v in ("none", "auto")),
         "tools are not supported (tool_choice may only be 'none' or 'auto')",
     ),
-    "response_format": (lambda v: v is None or v.get("type") == "text", "only {'type': 'text'} is supported"),
 }
+
+
+MAX_SCHEMA_NAME_CHARS = 64  # response_format.json_schema.name (OpenAI's limit)
+
+
+class JsonSchemaSpec(_Request):
+    """response_format.json_schema: the schema the output must satisfy (`strict` is accepted; the grammar
+    always holds the output to the schema)."""
+
+    name: str = Field(max_length=MAX_SCHEMA_NAME_CHARS)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """`response_format`: plain text, any JSON object, or JSON that a JSON Schema accepts (structured
+    output through a grammar: `SamplingParams.json_schema` / `json_object`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = Field(None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _spec(cls, v: JsonSchemaSpec | None, info: ValidationInfo) -> JsonSchemaSpec | None:
+        if info.data.get("type") == "json_schema" and (v is None or v.schema_ is None):
+            raise ValueError("type 'json_schema' needs json_schema.schema (a JSON Schema)")
+        return v
+
+    def schema_text(self) -> str | None:
+        """The JSON Schema as JSON text when type is json_schema, else None."""
+        if self.type != "json_schema" or self.json_schema is None:
+            return None
+        return json.dumps(self.json_schema.schema_, separators=(",", ":"))
 
 
 class _SamplingFields(_Request):
@@ -308,6 +339,7 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None  # vLLM's extensions, like the two above
     min_p: float | None = None
     min_tokens: int | None = None
+    response_format: ResponseFormat | None = None  # structured output (json_object, json_schema)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -342,8 +374,8 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions. `prompt` is one text or one list of token ids (optionally wrapped in a list)."""
 
     prompt: str | list[int]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo (the server checks): the prompt alone
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
@@ -390,10 +422,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # with logprobs: true only
     tools: list[dict] | None = None
     tool_choice: Any = None  # "none", "auto" or absent: checked against _NEUTRAL_ONLY
-    response_format: dict | None = None
     # chat template controls (vLLM's extensions, spelt as vLLM spells them)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -481,11 +512,21 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs: per token its text, logprob, top alternatives (text ->
+    logprob) and character offset in the choice's text. The echoed prompt's first token has null ones."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None  # with return_token_ids
 
 
@@ -503,11 +544,25 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
 
@@ -529,7 +584,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
 

@@ -26,7 +26,8 @@ from pydantic import BaseModel
 
 from raystate.client import Client
 from raystate.errors import EngineDead, InvalidRequest, RequestFailed
-from raystate.messages import SamplingParams
+from raystate.grammar import check_schema
+from raystate.messages import MAX_JSON_SCHEMA_CHARS, SamplingParams, unpack_logprobs
 from raystate.serve.generation import EventStream, Generation, Prepared
 from raystate.serve.metrics import ServeMetrics
 from raystate.serve.protocol import (
@@ -37,17 +38,22 @@ from raystate.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ResponseFormat,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    TopLogprob,
     VersionResponse,
     dump_response,
     error_body,
@@ -94,13 +100,31 @@ def _stream_error(exc: BaseException) -> str:
 @dataclass(frozen=True)
 class _Shape:
     """How one endpoint words its answer: the response and chunk models, and a choice of each from
-    (text, finish_reason, token_ids). The two endpoints differ in nothing else."""
+    (text, finish_reason, token_ids, logprobs). The two endpoints differ in nothing else."""
 
     response: type[BaseModel]
     chunk: type[BaseModel]
-    choice: Callable[[str, str | None, list[int] | None], BaseModel]
-    delta: Callable[[str, str | None, list[int] | None], BaseModel]
+    choice: Callable[[str, str | None, list[int] | None, Any], BaseModel]
+    delta: Callable[[str, str | None, list[int] | None, Any], BaseModel]
     opening: Callable[[], BaseModel] | None = None  # a stream's first choice, before any token
+
+
+def _structured(fmt: ResponseFormat | None) -> dict[str, Any]:
+    """response_format as SamplingParams' structured-output fields; a schema the grammar library refuses
+    is a 400 naming response_format.json_schema.schema."""
+    if fmt is None or fmt.type == "text":
+        return {}
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    schema = fmt.schema_text()
+    if len(schema) > MAX_JSON_SCHEMA_CHARS:
+        raise InvalidRequest(
+            "response_format.json_schema.schema", f"at most {MAX_JSON_SCHEMA_CHARS} characters", len(schema)
+        )
+    why = check_schema(schema)
+    if why is not None:
+        raise InvalidRequest("response_format.json_schema.schema", "a JSON Schema the grammar supports", why)
+    return {"json_schema": schema}
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -117,8 +141,16 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-def _completion_choice(text: str, reason: str | None, ids: list[int] | None) -> CompletionChoice:
-    return CompletionChoice(text=text, finish_reason=reason, token_ids=ids)
+def _completion_choice(
+    text: str, reason: str | None, ids: list[int] | None, logprobs: CompletionLogprobs | None = None
+) -> CompletionChoice:
+    return CompletionChoice(text=text, finish_reason=reason, token_ids=ids, logprobs=logprobs)
+
+
+def _logprob_rows(blob: bytes) -> list[tuple[list[int], list[float]]]:
+    """Wire records as (ids, logprobs) per token: the token's own first, then its alternatives."""
+    ids, lps, _ = unpack_logprobs(blob)
+    return list(zip(ids.tolist(), lps.tolist(), strict=True))
 
 
 _COMPLETIONS = _Shape(
@@ -127,11 +159,11 @@ _COMPLETIONS = _Shape(
 _CHAT = _Shape(
     ChatCompletionResponse,
     ChatCompletionChunk,
-    choice=lambda text, reason, ids: ChatChoice(
-        message=AssistantMessage(content=text), finish_reason=reason, token_ids=ids
+    choice=lambda text, reason, ids, logprobs=None: ChatChoice(
+        message=AssistantMessage(content=text), finish_reason=reason, token_ids=ids, logprobs=logprobs
     ),
-    delta=lambda text, reason, ids: ChatChunkChoice(
-        delta=ChatDelta(content=text), finish_reason=reason, token_ids=ids
+    delta=lambda text, reason, ids, logprobs=None: ChatChunkChoice(
+        delta=ChatDelta(content=text), finish_reason=reason, token_ids=ids, logprobs=logprobs
     ),
     opening=lambda: ChatChunkChoice(delta=ChatDelta(role="assistant", content="")),
 )
@@ -213,7 +245,12 @@ class RaystateServer:
         return ids
 
     def _sampling(
-        self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, n_prompt: int
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        n_prompt: int,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Where a field is absent: the checkpoint's generation_config.json value if it sets one, else
         OpenAI's default (temperature 1, top_p 1, top_k off). max_tokens: what fits, or less where the
@@ -238,6 +275,9 @@ class RaystateServer:
             logit_bias=_logit_bias(req.logit_bias),
             min_p=req.min_p or 0.0,
             min_tokens=req.min_tokens or 0,
+            **_structured(req.response_format),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         params.validate(self.vocab_size)
         if n_prompt + params.max_tokens > self.max_model_len:
@@ -259,14 +299,31 @@ class RaystateServer:
             raise InvalidRequest(
                 "prompt", f"shorter than max_model_len={self.max_model_len} tokens", len(ids)
             )
+        # max_tokens 0 with echo: the prompt (and its logprobs) alone, lm-eval's loglikelihood call. The
+        # engine runs one token, which is dropped.
+        prompt_only = req.max_tokens == 0
+        if prompt_only and not req.echo:
+            raise InvalidRequest("max_tokens", "at least 1 (0 only with echo: the prompt alone)", 0)
+        echo_text = None
+        if req.echo:
+            echo_text = req.prompt if isinstance(req.prompt, str) else self.text.decode(ids)
+        k = req.logprobs
         return Prepared(
             request_id=f"cmpl-{uuid.uuid4().hex}",
             endpoint="completions",
             prompt_ids=ids,
-            sampling=self._sampling(req, req.max_tokens, len(ids)),
+            sampling=self._sampling(
+                req,
+                1 if prompt_only else req.max_tokens,
+                len(ids),
+                logprobs=k,
+                prompt_logprobs=k if req.echo else None,
+            ),
             stop=req.stop,
             return_token_ids=bool(req.return_token_ids),
             include_usage=req.include_usage,
+            echo_text=echo_text,
+            prompt_only=prompt_only,
         )
 
     def _prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
@@ -281,8 +338,12 @@ class RaystateServer:
             raise InvalidRequest(
                 "max_completion_tokens", f"equal to max_tokens={req.max_tokens}", req.output_limit
             )
+        if req.top_logprobs and not req.logprobs:
+            raise InvalidRequest("top_logprobs", "set only with logprobs: true", req.top_logprobs)
         try:
-            sampling = self._sampling(req, req.output_limit, len(ids))
+            sampling = self._sampling(
+                req, req.output_limit, len(ids), logprobs=(req.top_logprobs or 0) if req.logprobs else None
+            )
         except InvalidRequest as e:
             if e.field != "max_tokens":
                 raise
@@ -324,7 +385,15 @@ class RaystateServer:
         if stream:
             return EventStream(self._cuttable(self._stream(gen, prep, shape)), gen)
         await self._run_to_end(gen)
-        choice = shape.choice(gen.text, gen.finish_reason, gen.token_ids if prep.return_token_ids else None)
+        text, reason, out_ids = gen.text, gen.finish_reason, gen.token_ids
+        if prep.prompt_only:
+            text, reason, out_ids = "", "length", []
+        if prep.echo_text is not None:
+            text = prep.echo_text + text
+        logprobs = None
+        if prep.sampling.logprobs is not None:
+            logprobs, _ = self._logprobs(prep, out_ids, bytes(gen.logprobs), gen.prompt_logprobs, True, 0)
+        choice = shape.choice(text, reason, gen.token_ids if prep.return_token_ids else None, logprobs)
         return shape.response(
             id=prep.request_id,
             created=prep.created,
@@ -338,8 +407,20 @@ class RaystateServer:
         try:
             if shape.opening is not None:
                 yield _sse(shape.chunk(**head, choices=[shape.opening()]), False)
+            first, offset = True, 0
             async for d in gen.deltas():
-                choice = shape.delta(d.text, d.finish_reason, d.token_ids)
+                text, reason, out_ids = d.text, d.finish_reason, d.token_ids
+                if prep.prompt_only:
+                    text, reason, out_ids = "", "length" if reason else None, []
+                if first and prep.echo_text is not None:
+                    text = prep.echo_text + text
+                logprobs = None
+                if prep.sampling.logprobs is not None:
+                    logprobs, offset = self._logprobs(
+                        prep, out_ids, d.logprobs, d.prompt_logprobs, first, offset
+                    )
+                first = False
+                choice = shape.delta(text, reason, d.token_ids, logprobs)
                 yield _sse(shape.chunk(**head, choices=[choice]), prep.return_token_ids)
         except Exception as e:  # the headers are sent: an error event, never a cut connection
             yield _stream_error(e)
@@ -348,6 +429,54 @@ class RaystateServer:
         if prep.include_usage:
             yield _sse(shape.chunk(**head, choices=[], usage=gen.usage()), False)
         yield SSE_DONE
+
+    def _token_text(self, token_id: int) -> str:
+        return self.text.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(
+        self, prep: Prepared, ids: list[int], blob: bytes, prompt_blob: bytes, first: bool, offset: int
+    ) -> tuple[BaseModel, int]:
+        """The endpoint's logprobs object for output tokens `ids` (records `blob`), with, for an echoed
+        completion's first chunk, the prompt's tokens first (records `prompt_blob`; the first token has
+        none); and the text offset after them (completions' text_offset runs on across chunks)."""
+        rows = _logprob_rows(blob)
+        if prep.endpoint == "chat":
+            content = []
+            for tid, (rids, rlps) in zip(ids, rows, strict=False):
+                tok = self._token_text(tid)
+                tops = []
+                for i, lp in zip(rids[1:], rlps[1:], strict=True):
+                    t = self._token_text(i)
+                    tops.append(TopLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8"))))
+                content.append(
+                    ChatTokenLogprob(
+                        token=tok, logprob=rlps[0], bytes=list(tok.encode("utf-8")), top_logprobs=tops
+                    )
+                )
+            return ChatLogprobs(content=content), offset
+        entries: list[tuple[int, tuple[list[int], list[float]] | None]] = []
+        if first and prep.echo_text is not None:
+            prompt = prep.prompt_ids
+            entries.append((prompt[0], None))
+            entries += zip(prompt[1:], _logprob_rows(prompt_blob), strict=False)
+        entries += zip(ids, rows, strict=False)
+        out = CompletionLogprobs()
+        for tid, row in entries:
+            tok = self._token_text(tid)
+            out.tokens.append(tok)
+            out.text_offset.append(offset)
+            offset += len(tok)
+            if row is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            rids, rlps = row
+            out.token_logprobs.append(rlps[0])
+            top: dict[str, float] = {}
+            for i, lp in zip(rids, rlps, strict=True):
+                top.setdefault(self._token_text(i), lp)
+            out.top_logprobs.append(top)
+        return out, offset
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])

@@ -28,6 +28,15 @@ the seen mask, the bias and stop masks), memory traffic comparable to a small la
 batch with no controls should not pay; the graphs share one memory pool, so the second set costs only
 capture time. Rows without controls are bit-identical either way.
 
+Logprobs (`raystate.worker.logprobs`): a third flag, captured likewise. Its variants also run
+`compute_logprobs` on the step's logits (after the controls) and greedy ids, into the persistent
+`lp_out` int32 [Bmax, WIDTH] whose column ID_COL is the sampled id, so a step with logprobs copies that
+one buffer back instead of the ids: still one device -> host copy, no extra sync. Variants rather than
+always computing them: a batch-64 log_softmax + topk over a large vocabulary is a few percent of a
+small model's decode step, which batches without logprobs (the common case) should not pay; with them
+the cost is one log_softmax, one topk and a compare-and-count. A batch that samples on the host side
+replays a variant without them and computes them there, from the same logits, after sampling.
+
 A graph is handed what its step touches (`DecodeStepParts`), never the worker.
 """
 
@@ -39,6 +48,7 @@ import numpy as np
 import torch
 
 from raystate.worker.block_table import BlockTables
+from raystate.worker.logprobs import WIDTH, compute_logprobs
 from raystate.worker.model_state import HybridModelState
 from raystate.worker.penalties import LogitControls
 from raystate.worker.requests import RequestStates
@@ -85,8 +95,12 @@ class DecodeGraphs:
         # Two of each host buffer, used in turn: a step may be launched before the last one is finished.
         self.host_bufs = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]  # [4 Bmax + 1]
         self.sampled_bufs = [torch.zeros(max_b, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        # Logprob variants: packed rows (sampled id included), and their host buffers, used in turn.
+        self.lp_out = torch.zeros((max_b, WIDTH), dtype=torch.int32, device=dev)  # int32 [Bmax, WIDTH]
+        self.lp_bufs = [torch.zeros((max_b, WIDTH), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._turn = 0
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, controlled) -> graph
+        # (size, controlled, logprobs) -> graph
+        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.num_replays = 0
         self.num_eager_steps = 0  # steps of sizes not captured (CPU tests)
@@ -101,9 +115,10 @@ class DecodeGraphs:
         """The slots of the last replayed step's first b rows (int64 [b], on the device)."""
         return self.staged[:b]
 
-    def _step(self, size: int, controlled: bool = False) -> None:
+    def _step(self, size: int, controlled: bool = False, logprobs: bool = False) -> None:
         """Everything a decode step does on the device, for `size` rows (captured, then replayed); with
-        `controlled`, the rows' logit controls are applied to the raw logits first."""
+        `controlled`, the rows' logit controls are applied to the raw logits first; with `logprobs`, the
+        greedy ids' logprob rows are packed into `lp_out`."""
         p = self.parts
         states = p.states
         slots, positions, seq_lens, qsl = self._views(size)  # int64 [size] x3, [size + 1]
@@ -126,6 +141,8 @@ class DecodeGraphs:
         # Padding rows append to the scratch slot's history, which no request reads. A failed row
         # appends 0, a valid id, for a step planned on top of this one to read.
         states.all_token_ids[slots, positions + 1] = sampled.clamp(min=0).to(torch.int32)
+        if logprobs:
+            self.lp_out[:size].copy_(compute_logprobs(logits, sampled))
 
     def _stage_padding(self) -> None:
         """Every row padding: what capture runs on (nothing a request owns is read or written)."""
@@ -136,8 +153,10 @@ class DecodeGraphs:
         self.staged.copy_(host)
 
     @property
-    def variants(self) -> tuple[bool, ...]:
-        return (False, True) if self.parts.controls is not None else (False,)
+    def variants(self) -> tuple[tuple[bool, bool], ...]:
+        """(controlled, logprobs) pairs captured per size."""
+        controlled = (False, True) if self.parts.controls is not None else (False,)
+        return tuple((c, lp) for c in controlled for lp in (False, True))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -147,18 +166,18 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for controlled in self.variants:
+            for controlled, logprobs in self.variants:
                 for size in reversed(self.sizes):
-                    self._step(size, controlled)  # warm-up: Triton compiles outside the capture
+                    self._step(size, controlled, logprobs)  # warm-up: Triton compiles outside the capture
         torch.cuda.current_stream().wait_stream(stream)
-        for controlled in self.variants:
+        for controlled, logprobs in self.variants:
             for size in reversed(self.sizes):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    self._step(size, controlled)
+                    self._step(size, controlled, logprobs)
                 if self.pool is None:
                     self.pool = graph.pool()
-                self.graphs[size, controlled] = graph
+                self.graphs[size, controlled, logprobs] = graph
         torch.cuda.synchronize()
 
     # -- a step ---------------------------------------------------------------------------------------
@@ -174,6 +193,7 @@ class DecodeGraphs:
         slots: np.ndarray,  # int64 [B]: state slots of the batch rows
         positions: np.ndarray,  # int64 [B]: each row's one query position (= its chunk start)
         controlled: bool = False,  # some row has logit controls: the variant that applies them
+        logprobs: bool = False,  # the variant that also packs the greedy ids' logprobs into `lp_out`
     ) -> int:
         """Stages the rows (one copy) and replays the graph of the next captured size up; returns that size.
         Before `capture` (or on the CPU) the same step runs eagerly instead.
@@ -198,12 +218,12 @@ class DecodeGraphs:
         self.staged.copy_(host, non_blocking=True)
         if controlled and self.parts.controls is None:
             raise ValueError("controlled: these graphs have no logit controls")
-        graph = self.graphs.get((size, controlled))
+        graph = self.graphs.get((size, controlled, logprobs))
         if graph is not None:
             graph.replay()
             self.num_replays += 1
         else:  # not captured (CPU tests of this path): the same step, run eagerly
-            self._step(size, controlled)
+            self._step(size, controlled, logprobs)
             self.num_eager_steps += 1
         return size
 
@@ -213,6 +233,13 @@ class DecodeGraphs:
         out = self.sampled_bufs[self._turn][: sampled.shape[0]]
         out.copy_(sampled, non_blocking=True)
         return out, ReadyEvent.record(sampled.device)
+
+    def copy_packed(self, packed: torch.Tensor) -> tuple[torch.Tensor, ReadyEvent]:
+        """`copy_sampled` for a step with logprobs: its packed rows (int32 [B, WIDTH] on the device, the
+        sampled ids in column ID_COL) in place of the ids."""
+        out = self.lp_bufs[self._turn][: packed.shape[0]]
+        out.copy_(packed, non_blocking=True)
+        return out, ReadyEvent.record(packed.device)
 
 
 class ReadyEvent:

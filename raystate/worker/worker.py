@@ -25,10 +25,12 @@ from raystate.worker.block_table import BlockTables
 from raystate.worker.cudagraph import DecodeGraphs, DecodeStepParts, ReadyEvent
 from raystate.worker.input_batch import InputBatch
 from raystate.worker.kv_cache import allocate_kv_caches
+from raystate.worker.logprobs import ID_COL, compute_logprobs, record, records
 from raystate.worker.model_state import HybridModelState
 from raystate.worker.penalties import LogitControls
 from raystate.worker.requests import RequestStates
 from raystate.worker.sampler import NONFINITE_LOGITS, Sampler, is_greedy
+from raystate.worker.structured import StructuredOutputs, grammar_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,9 @@ class PendingStep:
     ready: ReadyEvent | None = None
     errors: dict[str, str] = field(default_factory=dict)  # req_id -> why, for rows that failed
     row_order: list[str] | None = None  # the message's rows, when some were refused at launch
+    # Graph decode steps with logprobs: each row's k (None: not asked); then `sampled_host` is the packed
+    # int32 [B, logprobs.WIDTH] rows of `compute_logprobs`, the sampled ids in column ID_COL.
+    logprob_ks: list[int | None] | None = None
 
 
 class Worker:
@@ -87,6 +92,10 @@ class Worker:
         self.controls = LogitControls(
             max_reqs + 1, self.model.config.vocab_size, config.model.eos_token_ids, self.device
         )
+        # Structured output: a grammar matcher per structured request, its token mask per step.
+        self.structured = StructuredOutputs(
+            max_reqs + 1, self.model.config.vocab_size, self.device, lambda: grammar_tokenizer(config)
+        )
         # A step has at most max_num_batched_tokens tokens; a decode graph's padded batch, max_num_seqs.
         max_tokens = max(config.scheduler.max_num_batched_tokens, max_reqs)
         self.block_tables = BlockTables(
@@ -98,6 +107,7 @@ class Worker:
         self.sampler = Sampler(self.device, config.seed)
         self._refused: dict[str, str] = {}  # req_id -> why, until the scheduler ends the request
         self.logit_recorder: LogitRecorder | None = None
+        self._sampled_logits: torch.Tensor | None = None  # the last `_sample_rows` input, for logprobs
         # Profile mode (set through InProcessEngine.profile): execute() records last_phases, the ns of its
         # prepare / forward / sample phases, syncing a CUDA device at each boundary so GPU work lands in
         # the phase that queued it. Off: no syncs, one `if` per phase boundary.
@@ -153,6 +163,7 @@ class Worker:
         slot = self.states.remove(req_id)
         if slot is not None:
             self.controls.remove(slot)
+            self.structured.remove(slot)
 
     def _apply(self, msg: StepMessage) -> tuple[list[str], list[int], dict[str, str]]:
         """Applies the message; returns the rows to compute (ids, tokens each) and the new requests
@@ -165,11 +176,16 @@ class Worker:
         refused: dict[str, str] = {}
         for req in msg.new_requests:
             why = self._check_new(req)
+            matcher = None
+            if why is None and req.sampling.structured:
+                matcher, why = self.structured.new_matcher(req)
             if why is not None:
                 refused[req.req_id] = self._refused[req.req_id] = why
                 continue
             slot = self.states.add(req)
             self.controls.add(slot, req, self.states.all_token_ids[slot, : self.states.num_tokens[slot]])
+            if matcher is not None:
+                self.structured.add(slot, matcher)
             self.block_tables.set_row(slot, req.block_ids)
             self.model_state.add_request(slot, req.replay_start)
             if req.num_scheduled > 0:
@@ -241,14 +257,19 @@ class Worker:
         if self.logit_recorder is not None:
             self._record_logits(batch, hidden)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        prompt_lp = self._prompt_logprob_inputs(batch, hidden)
         if self.profile:
             t_forward = self._phase_mark()
-        sampled, errors = self._sample(batch, logits)
+        sampled, errors, lp = self._sample(batch, logits, prompt_lp)
+        if self.structured.any_enabled(batch.idx_mapping_np):  # the matchers take the kept ids
+            self._accept_structured(rows, batch.idx_mapping_np, sampled, errors, batch.should_sample_np)
         states.num_computed[batch.idx_mapping_np] += batch.num_scheduled_np
         if self.profile:
             t_sampled = self._phase_mark()
             self.last_phases = (t_prepared - t0, t_forward - t_prepared, t_sampled - t_forward)
         result = StepResult(step_id=step_id, req_ids=rows, sampled=ids_to_bytes(sampled.tolist()))
+        if lp is not None:
+            result.logprobs, result.prompt_logprobs = lp
         return PendingStep(t0, result, errors=errors)
 
     def finish(self, pending: PendingStep) -> StepResult:
@@ -259,10 +280,21 @@ class Worker:
         result = pending.result
         if result is None:
             pending.ready.synchronize()
+            ks = pending.logprob_ks
+            logprobs: dict[str, bytes] = {}
+            if ks is None:
+                ids = pending.sampled_host.tolist()
+            else:
+                host = pending.sampled_host.numpy()
+                ids = host[:, ID_COL].tolist()
+                for i, (r, k) in enumerate(zip(pending.req_ids, ks, strict=True)):
+                    if k is not None and ids[i] != FAILED_ROW:
+                        logprobs[r] = record(host[i], k)
             result = StepResult(
                 step_id=pending.step_id,
                 req_ids=pending.req_ids,
-                sampled=ids_to_bytes(pending.sampled_host.tolist()),
+                sampled=ids_to_bytes(ids),
+                logprobs=logprobs,
             )
         sampled = None
         if pending.row_order is not None:
@@ -318,13 +350,23 @@ class Worker:
         b = slots.shape[0]
         # Logit controls in the batch: the graph variant that applies them (its logits carry them).
         controlled = self.controls.any_enabled(slots)
+        # Logprobs: a greedy batch replays the variant that also computes them in the step; a batch that
+        # samples on the host side computes them after that, from the same logits.
+        ks = [states.sampling[s].logprobs for s in slots]
+        want_lp = any(k is not None for k in ks)
+        # Structured rows: their token masks apply to the graph's logits on the host-side sampling path.
+        structured = self.structured.any_enabled(slots)
+        all_greedy = not structured and all(is_greedy(states.sampling[s]) for s in slots)
         if self.profile:
             t_prepared = self._phase_mark()
-        graphs.replay(slots, positions, controlled)
+        if want_lp and all_greedy:
+            graphs.replay(slots, positions, controlled, logprobs=True)
+        else:
+            graphs.replay(slots, positions, controlled)
         if self.profile:
             t_forward = self._phase_mark()
         errors: dict[str, str] = {}
-        if all(is_greedy(states.sampling[s]) for s in slots):
+        if all_greedy:
             sampled = graphs.sampled[:b]  # FAILED_ROW where a row's logits were not finite
         else:  # sample on the host side from the graph's logits; overwrite the appended argmax
             sampled, failures = self._sample_rows(
@@ -334,13 +376,35 @@ class Worker:
             self._append_history(slots, positions + 1, sampled)
         if controlled:  # the output counts of the penalties, from the ids kept
             self.controls.count(graphs.staged_slots(b), sampled)
-        host, ready = graphs.copy_sampled(sampled)
+        if want_lp:  # the packed rows carry the sampled ids: still one copy back
+            packed = graphs.lp_out[:b] if all_greedy else compute_logprobs(graphs.logits[:b], sampled)
+            host, ready = graphs.copy_packed(packed)
+        else:
+            host, ready = graphs.copy_sampled(sampled)
         states.num_tokens[slots] += 1
         states.num_computed[slots] += 1
+        if structured:  # the matchers need these ids before the next step's masks: wait for them now
+            ready.synchronize()
+            ids = host.numpy()[:, ID_COL] if want_lp else host.numpy()  # views: FAILED_ROW lands in host
+            self._accept_structured(rows, slots, ids, errors)
         if self.profile:
             t_sampled = self._phase_mark()
             self.last_phases = (t_prepared - t0, t_forward - t_prepared, t_sampled - t_forward)
-        return PendingStep(t0, None, step_id, rows, host, ready, errors)
+        return PendingStep(t0, None, step_id, rows, host, ready, errors, logprob_ks=ks if want_lp else None)
+
+    def _accept_structured(
+        self,
+        rows: list[str],
+        slots: np.ndarray,
+        ids: np.ndarray,  # the step's ids on the host, written in place: FAILED_ROW for failed rows
+        errors: dict[str, str],
+        keep: np.ndarray | None = None,  # bool [B]: rows whose id is kept (None: all)
+    ) -> None:
+        """The structured rows' matchers consume this step's ids; a row whose id the grammar rejects
+        fails alone (a reason the sampler already gave wins)."""
+        for i, why in self.structured.accept(slots, ids, keep).items():
+            ids[i] = FAILED_ROW
+            errors.setdefault(rows[i], why)
 
     def _phase_mark(self) -> int:
         """Profile mode's clock: waits for the device's queued work first, so it is charged to the phase
@@ -349,12 +413,54 @@ class Worker:
             torch.cuda.synchronize(self.device)
         return time.perf_counter_ns()
 
-    def _sample(self, batch: InputBatch, logits: torch.Tensor) -> tuple[np.ndarray, dict[str, str]]:
+    def _prompt_logprob_inputs(
+        self, batch: InputBatch, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[str, int, int]]] | None:
+        """For rows whose request asks for prompt logprobs: the logits of their chunk's positions p with
+        p + 1 < prompt length (fp32 [N, V]), the prompt token at p + 1 of each (int64 [N]), and per row
+        (req_id, k, positions). None when no row has such positions."""
+        if not batch.is_prefilling_np.any():  # prompt positions lie in prefill chunks only
+            return None
+        states = self.states
+        idx: list[np.ndarray] = []
+        pos: list[np.ndarray] = []
+        tslots: list[np.ndarray] = []
+        rows: list[tuple[str, int, int]] = []
+        qsl = 0
+        for b, slot in enumerate(batch.idx_mapping_np.tolist()):
+            n = int(batch.num_scheduled_np[b])
+            k = states.sampling[slot].prompt_logprobs
+            start = int(batch.chunk_start_np[b])
+            end = min(start + n, int(states.num_prompt_tokens[slot]) - 1)
+            if k is not None and end > start:
+                idx.append(np.arange(qsl, qsl + end - start))
+                pos.append(np.arange(start + 1, end + 1))
+                tslots.append(np.full(end - start, slot))
+                rows.append((batch.req_ids[b], k, end - start))
+            qsl += n
+        if not rows:
+            return None
+        dev = self.device
+        at = torch.from_numpy(np.concatenate([np.concatenate(a) for a in (idx, tslots, pos)])).to(dev)
+        m = at.shape[0] // 3
+        logits = self.model.compute_logits(hidden[at[:m]])
+        targets = self.states.all_token_ids[at[m : 2 * m], at[2 * m :]].to(torch.int64)
+        return logits, targets, rows
+
+    def _sample(
+        self,
+        batch: InputBatch,
+        logits: torch.Tensor,
+        prompt_lp: tuple[torch.Tensor, torch.Tensor, list[tuple[str, int, int]]] | None = None,
+    ) -> tuple[np.ndarray, dict[str, str], tuple[dict[str, bytes], dict[str, bytes]] | None]:
         """Samples every row, keeps the rows whose chunk reached the end of the history, appends them.
-        Returns the ids (-1 for rows not kept) and why each kept row that failed did."""
+        Returns the ids (-1 for rows not kept), why each kept row that failed did, and the logprob
+        records (sampled tokens, prompt positions: `_prompt_logprob_inputs`) when some row asks; those
+        are computed in one `compute_logprobs` call and come back in the sampled ids' copy."""
         states = self.states
         slots = batch.idx_mapping_np
-        sampled, failures = self._sample_rows(slots, logits)
+        sampled, failures = self._sample_rows(slots, logits, rows=batch.should_sample_np)
+        sample_logits, self._sampled_logits = self._sampled_logits, None
         keep = batch.should_sample_np
         errors = {batch.req_ids[i]: why for i, why in failures.items() if keep[i]}
         if keep.any():
@@ -368,8 +474,37 @@ class Worker:
             if self.controls.any_enabled(kslots):
                 self.controls.count(torch.from_numpy(kslots).to(self.device), kept)
             states.num_tokens[kslots] += 1
-        host = sampled.cpu().numpy()
-        return np.where(keep, host, -1), errors
+        lp_rows = [
+            i for i, s in enumerate(slots.tolist()) if keep[i] and states.sampling[s].logprobs is not None
+        ]
+        if not lp_rows and prompt_lp is None:
+            host = sampled.cpu().numpy()
+            return np.where(keep, host, -1), errors, None
+        parts_logits, parts_ids = [], []
+        if prompt_lp is not None:
+            parts_logits.append(prompt_lp[0])
+            parts_ids.append(prompt_lp[1])
+        if lp_rows:
+            at = torch.tensor(lp_rows, device=self.device)
+            parts_logits.append(sample_logits[at].float())
+            parts_ids.append(sampled[at])
+        packed = compute_logprobs(torch.cat(parts_logits), torch.cat(parts_ids))
+        b = sampled.shape[0]
+        flat = torch.cat([sampled.to(torch.int32), packed.flatten()]).cpu().numpy()  # one copy back
+        host = flat[:b].astype(np.int64)
+        packed_host = flat[b:].reshape(packed.shape)
+        prompt_records: dict[str, bytes] = {}
+        at = 0
+        for req_id, k, n in prompt_lp[2] if prompt_lp is not None else ():
+            prompt_records[req_id] = records(packed_host[at : at + n], k)
+            at += n
+        sample_records: dict[str, bytes] = {}
+        for j, i in enumerate(lp_rows):
+            if host[i] != FAILED_ROW:
+                sample_records[batch.req_ids[i]] = record(
+                    packed_host[at + j], states.sampling[slots[i]].logprobs
+                )
+        return np.where(keep, host, -1), errors, (sample_records, prompt_records)
 
     def _sample_rows(
         self,
@@ -377,6 +512,7 @@ class Worker:
         logits: torch.Tensor,
         greedy: torch.Tensor | None = None,
         controlled_already: bool = False,
+        rows: np.ndarray | None = None,  # bool [B]: the rows whose id is kept (structured masks: None all)
     ) -> tuple[torch.Tensor, dict[int, str]]:
         """One id per row (int64 [B], on the device) from raw logits fp32 [B, V] (or logits the controls
         were applied to already, with `controlled_already`), with each row's request's sampling
@@ -389,6 +525,10 @@ class Worker:
             logits = self.controls.apply(
                 logits, torch.from_numpy(slots).to(dev), torch.from_numpy(out_len).to(dev)
             )
+            greedy = None
+        self._sampled_logits = logits  # what the sampler starts from: logprobs are taken from these too
+        if self.structured.any_enabled(slots):  # grammar masks, after the controls, before any sampling
+            logits = self.structured.apply(logits, slots, rows)
             greedy = None
         return self.sampler(logits, params, out_len.tolist(), greedy)
 

@@ -119,10 +119,10 @@ def test_request_without_unknown_fields_logs_no_warning(app, caplog):
     ("path", "change", "param"),
     [
         ("/v1/completions", {"n": 2}, "n"),
-        ("/v1/completions", {"logprobs": 2}, "logprobs"),
-        ("/v1/completions", {"echo": True}, "echo"),
-        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"best_of": 2}, "best_of"),
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),  # supported, up to 20
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format.type"),
         ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
         ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ],

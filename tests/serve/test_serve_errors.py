@@ -30,8 +30,8 @@ BAD_COMPLETIONS = [
     ({"stop": 7}, "stop"),
     ({"stop": [""]}, "stop"),
     ({"stream": "sometimes"}, "stream"),
-    ({"logprobs": 3}, "logprobs"),
-    ({"echo": True}, "echo"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"stop_token_ids": [9999]}, "stop_token_ids"),
     ({"prompt": []}, "prompt"),
@@ -50,7 +50,8 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"temperature": "hot"}, "temperature"),
 ]

@@ -1,0 +1,168 @@
+"""response_format on /v1/completions and /v1/chat/completions through the official `openai` client, on
+the real FastAPI app over `RaystateServer` over `InProcessClient` (httpx's ASGI transport, as in
+tests/serve/test_protocol_details.py): json_schema outputs validate, json_object outputs parse, and a bad
+response_format is a 400 naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+MODEL = "tiny"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo"]},
+        "rank": {"type": "integer", "minimum": 1, "maximum": 5},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    },
+    "required": ["city", "rank", "tags"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
+
+
+class App:
+    def __init__(self) -> None:
+        from raystate.client import InProcessClient
+        from raystate.serve.app import AppArgs
+        from raystate.serve.ingress import create_api
+        from raystate.serve.server import RaystateServer
+
+        self.loop = asyncio.new_event_loop()
+        self.server = RaystateServer(
+            InProcessClient(AppArgs(model=MODEL, backend="inprocess").engine_config())
+        )
+        transport = httpx.ASGITransport(app=create_api(self.server), raise_app_exceptions=False)
+        self.http = httpx.AsyncClient(transport=transport, base_url="http://local", timeout=60)
+        self.openai = openai.AsyncOpenAI(
+            base_url="http://local/v1", api_key="unused", max_retries=0, http_client=self.http
+        )
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return self.run(self.http.post(path, json=body))
+
+    def close(self) -> None:
+        self.run(self.http.aclose())
+        self.run(self.server.shutdown())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def app():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAYSTATE_KERNELS", "reference")
+        mp.setattr("raystate.kernels._common._reference_forced", True)
+        a = App()
+        try:
+            yield a
+        finally:
+            a.close()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_chat_json_schema(app, temperature):
+    r = app.run(
+        app.openai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Where?"}],
+            max_tokens=64,
+            temperature=temperature,
+            seed=7,
+            response_format=RESPONSE_FORMAT,
+        )
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_completion_json_schema(app):
+    r = app.run(
+        app.openai.completions.create(
+            model=MODEL,
+            prompt="Where?",
+            max_tokens=64,
+            temperature=0,
+            extra_body={"response_format": RESPONSE_FORMAT},
+        )
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+
+
+def test_streamed_chat_json_schema(app):
+    async def stream() -> str:
+        chunks = await app.openai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Stream it"}],
+            max_tokens=64,
+            temperature=0,
+            response_format=RESPONSE_FORMAT,
+            stream=True,
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+    jsonschema.validate(json.loads(app.run(stream())), SCHEMA)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_json_object(app, path):
+    body = {"model": MODEL, "max_tokens": 64, "temperature": 0, "response_format": {"type": "json_object"}}
+    body |= {"prompt": "obj"} if "chat" not in path else {"messages": [{"role": "user", "content": "obj"}]}
+    r = app.post(path, body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text = choice["text"] if "chat" not in path else choice["message"]["content"]
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert text.startswith("{")
+
+
+def test_text_format_is_plain(app):
+    r = app.run(
+        app.openai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "plain"}],
+            max_tokens=4,
+            response_format={"type": "text"},
+        )
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("response_format", "param"),
+    [
+        ({"type": "xml"}, "response_format.type"),
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 3, "maximum": 1}},
+            },
+            "response_format.json_schema.schema",
+        ),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_response_format_is_a_400(app, path, response_format, param):
+    body = {"model": MODEL, "max_tokens": 4, "response_format": response_format}
+    body |= {"prompt": "x"} if "chat" not in path else {"messages": [{"role": "user", "content": "x"}]}
+    r = app.post(path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
