@@ -271,9 +271,13 @@ class RaystateServer:
             ignore_eos=bool(req.ignore_eos),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+            repetition_penalty=(
+                req.repetition_penalty
+                if req.repetition_penalty is not None
+                else defaults.get("repetition_penalty", 1.0)
+            ),
             logit_bias=_logit_bias(req.logit_bias),
-            min_p=req.min_p or 0.0,
+            min_p=req.min_p if req.min_p is not None else defaults.get("min_p", 0.0),
             min_tokens=req.min_tokens or 0,
             **_structured(req.response_format),
             logprobs=logprobs,

@@ -32,9 +32,15 @@ from raystate.serve.detokenize import TextStream
 
 REFERENCE_ARCHITECTURE = "raystate_hybrid"
 
-# generation_config.json's field -> our SamplingParams field. min_p and repetition_penalty have no
-# SamplingParams field (the sampler does not implement them) and are not applied.
-_DEFAULT_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+# generation_config.json's field -> our SamplingParams field (vLLM's `--generation-config auto` takes the
+# same ones).
+_DEFAULT_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
 
 
 class NoChatTemplate(InvalidRequest):
@@ -130,8 +136,8 @@ class ModelText:
 
     def sampling_defaults(self) -> dict[str, Any]:
         """The SamplingParams fields the checkpoint's generation_config.json sets (temperature, top_p,
-        top_k; max_tokens from max_new_tokens). Empty for the byte models and for checkpoints whose file
-        sets none."""
+        top_k, min_p, repetition_penalty; max_tokens from max_new_tokens). Empty for the byte models and
+        for checkpoints whose file sets none."""
         given = self.defaults.sampling_overrides()
         out = {ours: given[theirs] for theirs, ours in _DEFAULT_FIELDS.items() if theirs in given}
         if "max_new_tokens" in given:

@@ -114,3 +114,10 @@ def test_byte_model_unchanged():
     (out,) = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3), use_tqdm=False)
     text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert out.prompt == text and out.prompt_token_ids == llm.tokenizer.encode(text)
+
+
+def test_repetition_penalty_default_comes_from_generation_config(family_checkpoints):
+    """qwen2's generation_config.json sets repetition_penalty 1.05: a request that leaves it out gets it."""
+    qwen2 = LLM(str(family_checkpoints["qwen2"]), backend="inprocess", device="cpu", max_model_len=256)
+    defaults = qwen2.get_default_sampling_params()
+    assert defaults.repetition_penalty == 1.05 and defaults.min_p == 0.0
