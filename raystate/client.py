@@ -134,7 +134,7 @@ class InProcessClient(Client):
 
     async def health(self) -> bool:
         params = SamplingParams(max_tokens=1, ignore_eos=True)
-        async for u in self.generate([self._config.model.bos_token_id], params):
+        async for u in self.generate([self._config.model.probe_token_id], params):
             if u.finished:
                 return len(u.new_token_ids) == 1
         return False

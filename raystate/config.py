@@ -177,6 +177,14 @@ class ModelConfig:
         return self.engram_max_ngram - 1 if self.engram_layer_ids else 0
 
     @property
+    def probe_token_id(self) -> int:
+        """A valid id for health probes' one-token prompts: BOS, else EOS (Qwen sets no BOS), else 0."""
+        for token in (self.bos_token_id, self.eos_token_id):
+            if 0 <= token < self.vocab_size:
+                return token
+        return 0
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """Every id that ends a sequence: eos_token_id first, then the extra ones."""
         return (self.eos_token_id, *(i for i in self.extra_eos_token_ids if i != self.eos_token_id))

@@ -187,7 +187,7 @@ class SchedulerActor:
             for s in self._sched.live_shards():
                 rid = f"{HEALTH}-{next(self._ids)}-{s}"
                 one_token = SamplingParams(max_tokens=1, ignore_eos=True)
-                self._sched.add_request(rid, [self.config.model.bos_token_id], one_token, shard=s)
+                self._sched.add_request(rid, [self.config.model.probe_token_id], one_token, shard=s)
                 fut = self._loop.create_future()
                 self._outbox.expect_health(rid, fut)
                 futs.append(fut)

@@ -321,6 +321,14 @@ def test_models_lists_the_served_name_and_the_checkpoint_max_model_len(qwen3_app
     assert f"max_model_len={cfg['max_position_embeddings']}" in r.json()["error"]["message"]
 
 
+def test_health_probe_works_for_a_checkpoint_without_bos(qwen3_app, checkpoints):
+    """Qwen's configs set no BOS id (-1 here): /health's one-token step sends a valid id instead."""
+    cfg = json.loads((checkpoints["qwen3"] / "config.json").read_text())
+    assert cfg.get("bos_token_id") is None
+    r = qwen3_app.get("/health")
+    assert r.status_code == 200, r.text
+
+
 # -- one real Serve app ------------------------------------------------------------------------------------
 
 
