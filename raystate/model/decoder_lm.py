@@ -129,6 +129,7 @@ class DecoderLM(nn.Module):
         # fp32 cos/sin tables by layer type, built on first use on the model's device. Not buffers:
         # `.to(bf16)` would round them.
         self._cos_sin: dict[str, torch.Tensor] = {}
+        self._layer_kinds = tuple(dict.fromkeys(config.layer_types))  # "sliding" / "full", each once
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding (tied families). Called again after `to_empty`/`to`, which give
@@ -182,7 +183,7 @@ class DecoderLM(nn.Module):
             )
         hidden = self.embed_tokens(input_ids)
         residual = None
-        tables = {t: self.cos_sin(t, hidden.device) for t in set(self.config.layer_types)}
+        tables = {t: self.cos_sin(t, hidden.device) for t in self._layer_kinds}
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(
                 hidden, residual, positions, attn_metadata, kv_cache, tables[layer.layer_type]

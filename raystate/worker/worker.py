@@ -107,7 +107,6 @@ class Worker:
         self.sampler = Sampler(self.device, config.seed)
         self._refused: dict[str, str] = {}  # req_id -> why, until the scheduler ends the request
         self.logit_recorder: LogitRecorder | None = None
-        self._sampled_logits: torch.Tensor | None = None  # the last `_sample_rows` input, for logprobs
         # Profile mode (set through InProcessEngine.profile): execute() records last_phases, the ns of its
         # prepare / forward / sample phases, syncing a CUDA device at each boundary so GPU work lands in
         # the phase that queued it. Off: no syncs, one `if` per phase boundary.
@@ -369,7 +368,7 @@ class Worker:
         if all_greedy:
             sampled = graphs.sampled[:b]  # FAILED_ROW where a row's logits were not finite
         else:  # sample on the host side from the graph's logits; overwrite the appended argmax
-            sampled, failures = self._sample_rows(
+            sampled, failures, _ = self._sample_rows(
                 slots, graphs.logits[:b], graphs.sampled[:b], controlled_already=True
             )
             errors = {rows[i]: why for i, why in failures.items()}
@@ -459,8 +458,7 @@ class Worker:
         are computed in one `compute_logprobs` call and come back in the sampled ids' copy."""
         states = self.states
         slots = batch.idx_mapping_np
-        sampled, failures = self._sample_rows(slots, logits, rows=batch.should_sample_np)
-        sample_logits, self._sampled_logits = self._sampled_logits, None
+        sampled, failures, sample_logits = self._sample_rows(slots, logits, rows=batch.should_sample_np)
         keep = batch.should_sample_np
         errors = {batch.req_ids[i]: why for i, why in failures.items() if keep[i]}
         if keep.any():
@@ -513,10 +511,12 @@ class Worker:
         greedy: torch.Tensor | None = None,
         controlled_already: bool = False,
         rows: np.ndarray | None = None,  # bool [B]: the rows whose id is kept (structured masks: None all)
-    ) -> tuple[torch.Tensor, dict[int, str]]:
+    ) -> tuple[torch.Tensor, dict[int, str], torch.Tensor]:
         """One id per row (int64 [B], on the device) from raw logits fp32 [B, V] (or logits the controls
         were applied to already, with `controlled_already`), with each row's request's sampling
-        parameters; FAILED_ROW for a row that failed, and {row: why} for those with a reason."""
+        parameters; FAILED_ROW for a row that failed, and {row: why} for those with a reason. Also
+        returns the logits the sampler started from (after the controls, before the grammar masks):
+        what logprobs are taken from."""
         states = self.states
         params = [states.sampling[s] for s in slots]
         out_len = states.num_tokens[slots] - states.num_prompt_tokens[slots]
@@ -526,11 +526,12 @@ class Worker:
                 logits, torch.from_numpy(slots).to(dev), torch.from_numpy(out_len).to(dev)
             )
             greedy = None
-        self._sampled_logits = logits  # what the sampler starts from: logprobs are taken from these too
+        controlled = logits
         if self.structured.any_enabled(slots):  # grammar masks, after the controls, before any sampling
             logits = self.structured.apply(logits, slots, rows)
             greedy = None
-        return self.sampler(logits, params, out_len.tolist(), greedy)
+        sampled, failures = self.sampler(logits, params, out_len.tolist(), greedy)
+        return sampled, failures, controlled
 
     def _append_history(self, slots: np.ndarray, positions: np.ndarray, ids: torch.Tensor) -> None:
         """Writes ids (int [N], on the device) into the token history at (slots, positions), no sync.
