@@ -16,10 +16,10 @@ of byte tokens all or nothing, so a run that starts with whole characters and th
 to one U+FFFD per byte in `decode(all_ids)`, while the stream has already sent the whole characters. Valid
 text, and byte-level BPE (decoded lossily byte by byte) in every case, end equal to `decode(all_ids)`.
 
-`HFTextStream` chains it with `raystate.serve.detokenize.StopStrings` (the stop-string rule that serve's
-byte `TextStream` uses: a tail that could still grow into a stop string is held back, the text is cut
-before the first stop string, which is never sent), behind the interface of that `TextStream`
-(`push(token_ids, final) -> str`, `text`, `stopped`).
+`HFTextStream` is serve's `raystate.serve.detokenize.TextStream` with this detokenizer as its decoder:
+the same stop-string rule (a tail that could still grow into a stop string is held back, the text is cut
+before the first stop string, which is never sent) and interface (`push(token_ids, final) -> str`,
+`text`, `stopped`).
 
 Works with any tokenizer that has `decode(ids, skip_special_tokens=...)`; an `HFTokenizer` is decoded
 through its `decode_raw` (no clean-up) window by window.
@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from raystate.hf.tokenizer import CLEANUP_REACH, HFTokenizer, clean_up_tokenization
-from raystate.serve.detokenize import StopStrings
+from raystate.serve.detokenize import TextStream
 
 REPLACEMENT = "\ufffd"
 
@@ -119,27 +119,12 @@ class IncrementalDetokenizer:
                 return
 
 
-class HFTextStream:
-    """One streamed request's text: ids in, deltas out, stop strings applied; the interface of
-    `raystate.serve.detokenize.TextStream` on any tokenizer."""
+class HFTextStream(TextStream):
+    """One streamed request's text on a checkpoint's tokenizer: serve's `TextStream` (stop strings applied)
+    with an `IncrementalDetokenizer` as its decoder."""
 
     def __init__(
         self, tokenizer: Any, stop: list[str] | None = None, skip_special_tokens: bool = True
     ) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self._stop = StopStrings(stop)
-
-    @property
-    def text(self) -> str:
-        """The text handed out so far (the completion's text once the request is done)."""
-        return self._stop.text
-
-    @property
-    def stopped(self) -> bool:
-        return self._stop.stopped
-
-    def push(self, token_ids: Iterable[int], final: bool = False) -> str:
-        """Decodes the new tokens and returns the text that is now safe to send ("" when none is)."""
-        if self._stop.stopped:
-            return ""
-        return self._stop.push(self._detok.push(token_ids, final=final), final=final)
+        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        super().__init__(stop, lambda token_ids, final: detok.push(token_ids, final=final))

@@ -13,14 +13,14 @@ sent (OpenAI semantics).
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from raystate.config import NUM_BYTES
 
 
 class StopStrings:
-    """Text deltas in, text safe to send out, cut before the first stop string. Shared by `TextStream`
-    (the byte tokenizer) and `raystate.hf.detokenize.HFTextStream` (a checkpoint's tokenizer)."""
+    """Text deltas in, text safe to send out, cut before the first stop string (`TextStream`'s rule, for
+    the byte tokenizer and a checkpoint's alike)."""
 
     def __init__(self, stop: list[str] | None = None) -> None:
         self._stop = [s for s in (stop or []) if s]
@@ -69,10 +69,23 @@ class StopStrings:
 
 
 class TextStream:
-    """Byte tokens in, text deltas out: an incremental UTF-8 decoder in front of `StopStrings`."""
+    """Token ids in, text deltas out: an incremental decoder in front of `StopStrings`.
 
-    def __init__(self, stop: list[str] | None = None) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    The decoder is `decode(token_ids, final) -> text`: by default the byte tokenizer's (an incremental
+    UTF-8 decoder over the byte ids, special tokens skipped); `raystate.hf.detokenize.HFTextStream` passes
+    a checkpoint tokenizer's incremental detokenizer.
+    """
+
+    def __init__(
+        self, stop: list[str] | None = None, decode: Callable[[Iterable[int], bool], str] | None = None
+    ) -> None:
+        if decode is None:
+            utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+            def decode(token_ids: Iterable[int], final: bool) -> str:
+                return utf8.decode(bytes(t for t in token_ids if 0 <= t < NUM_BYTES), final=final)
+
+        self._decode = decode
         self._stop = StopStrings(stop)
 
     @property
@@ -89,5 +102,4 @@ class TextStream:
         """Decodes the new tokens and returns the text that is now safe to send ("" when none is)."""
         if self._stop.stopped:
             return ""
-        data = bytes(t for t in token_ids if 0 <= t < NUM_BYTES)
-        return self._stop.push(self._decoder.decode(data, final=final), final=final)
+        return self._stop.push(self._decode(token_ids, final), final=final)
