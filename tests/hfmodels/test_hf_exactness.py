@@ -3,8 +3,8 @@ token, on prompts several sliding windows long: with prefix caching off; with pr
 replay off (hits are exact then); with chunked prefill under a small token budget; through preemption.
 With bounded replay on, a hit's output equals the truncated-replay reference (DESIGN section 4) instead.
 
-The engine runs the kernels' PyTorch references here (the interpreter is too slow for whole models);
-test_hf_kernels.py runs one family on the interpreted Triton kernels.
+The engine runs the kernels' PyTorch references here (conftest.py: the interpreter is too slow for whole
+models); test_hf_kernels.py runs one family on the interpreted Triton kernels.
 """
 
 from __future__ import annotations
@@ -25,12 +25,6 @@ from raystate.model.reference import dense_forward, replay_reference
 
 MAX_TOKENS = 12
 BLOCK = 8
-
-
-@pytest.fixture(autouse=True)
-def reference_kernels(monkeypatch):
-    monkeypatch.setenv("RAYSTATE_KERNELS", "reference")
-    monkeypatch.setattr("raystate.kernels._common._reference_forced", True)
 
 
 def _prompts(folder, seed: int) -> list[list[int]]:

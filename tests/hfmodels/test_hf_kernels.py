@@ -11,6 +11,8 @@ from hf_families import hf_greedy, prompt_ids
 from raystate import LLM, SamplingParams
 from raystate.kernels import use_triton
 
+pytestmark = pytest.mark.triton_kernels  # conftest.py leaves the kernels alone here
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma3"])

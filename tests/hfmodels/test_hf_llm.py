@@ -21,14 +21,6 @@ CHAT = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def reference_kernels():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAYSTATE_KERNELS", "reference")
-        mp.setattr("raystate.kernels._common._reference_forced", True)
-        yield
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
     """The llama checkpoint (its tokenizer adds <|begin_of_text|>, its template writes it too), with

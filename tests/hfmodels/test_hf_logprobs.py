@@ -3,21 +3,12 @@ decoded tokens are the checkpoint tokenizer's (transformers is the oracle)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import transformers
 from hf_families import make_family_checkpoint
 
 from raystate import LLM, SamplingParams
 from raystate.model.reference import dense_forward
-
-
-@pytest.fixture(scope="module", autouse=True)
-def reference_kernels():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAYSTATE_KERNELS", "reference")
-        mp.setattr("raystate.kernels._common._reference_forced", True)
-        yield
 
 
 def test_hf_logprobs_and_prompt_logprobs(tmp_path):

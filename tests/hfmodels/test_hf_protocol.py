@@ -8,45 +8,16 @@ transformers 5's tokenizer is the oracle.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import transformers
+from asgi_app import AsgiApp
 from hf_families import make_family_checkpoint
 
 NAME = "tiny-qwen3"
 CHAT = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hello, café 日本?"}]
-
-
-class App:
-    def __init__(self, folder: Path) -> None:
-        from raystate.client import InProcessClient
-        from raystate.serve.app import AppArgs
-        from raystate.serve.ingress import create_api
-        from raystate.serve.server import RaystateServer
-
-        self.loop = asyncio.new_event_loop()
-        config = AppArgs(model=str(folder), backend="inprocess", enable_prefix_caching=False).engine_config()
-        self.server = RaystateServer(InProcessClient(config), NAME)
-        transport = httpx.ASGITransport(app=create_api(self.server), raise_app_exceptions=False)
-        self.http = httpx.AsyncClient(transport=transport, base_url="http://hf", timeout=120)
-        self.openai = openai.AsyncOpenAI(
-            base_url="http://hf/v1", api_key="x", max_retries=0, http_client=self.http
-        )
-
-    def run(self, coro):
-        return self.loop.run_until_complete(coro)
-
-    def post(self, path: str, body: dict) -> httpx.Response:
-        return self.run(self.http.post(path, json=body))
-
-    def close(self) -> None:
-        self.run(self.http.aclose())
-        self.run(self.server.shutdown())
-        self.loop.close()
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +32,11 @@ def hf(folder):
 
 @pytest.fixture(scope="module")
 def app(folder):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAYSTATE_KERNELS", "reference")
-        mp.setattr("raystate.kernels._common._reference_forced", True)
-        a = App(folder)
-        try:
-            yield a
-        finally:
-            a.close()
+    a = AsgiApp(str(folder), NAME, enable_prefix_caching=False)  # the kernels' references (conftest.py)
+    try:
+        yield a
+    finally:
+        a.close()
 
 
 def _ids(x) -> list[int]:

@@ -9,12 +9,12 @@ as `serve run` and `raystate serve` build it. The engine runs the kernels' PyTor
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import socket
 from pathlib import Path
 
+import asgi_app
 import httpx
 import pytest
 import transformers
@@ -29,14 +29,6 @@ SYSTEM_CHAT = [
     {"role": "user", "content": "Hello world, café naïve 日本語?"},
 ]
 USER_CHAT = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def reference_kernels():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAYSTATE_KERNELS", "reference")
-        mp.setattr("raystate.kernels._common._reference_forced", True)
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -67,35 +59,14 @@ def hf_chat_ids(folder: Path, messages: list[dict]) -> list[int]:
     return list(ids)
 
 
-class AsgiApp:
-    """The FastAPI app of one checkpoint over an InProcessClient, driven from an event loop of its own."""
+class AsgiApp(asgi_app.AsgiApp):
+    """One checkpoint's app, served under its folder's path unless named. No prefix cache: with bounded
+    replay a repeated prompt's hit may change the output (DESIGN section 4), and these tests compare
+    repeated requests."""
 
     def __init__(self, folder: Path, served_name: str | None = None, **engine) -> None:
-        from raystate.client import InProcessClient
-        from raystate.serve.app import AppArgs
-        from raystate.serve.ingress import create_api
-        from raystate.serve.server import RaystateServer
-
-        self.name = served_name or str(folder)
-        self.loop = asyncio.new_event_loop()
-        # No prefix cache: with bounded replay a repeated prompt's hit may change the output (DESIGN
-        # section 4), and these tests compare repeated requests.
-        engine = {"enable_prefix_caching": False, **engine}
-        config = AppArgs(model=str(folder), backend="inprocess", **engine).engine_config()
-        self.server = RaystateServer(InProcessClient(config), self.name)
-        transport = httpx.ASGITransport(app=create_api(self.server), raise_app_exceptions=False)
-        self.http = httpx.AsyncClient(transport=transport, base_url="http://hf", timeout=120)
-
-    def post(self, path: str, body: dict) -> httpx.Response:
-        return self.loop.run_until_complete(self.http.post(path, json=body))
-
-    def get(self, path: str) -> httpx.Response:
-        return self.loop.run_until_complete(self.http.get(path))
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.http.aclose())
-        self.loop.run_until_complete(self.server.shutdown())
-        self.loop.close()
+        engine.setdefault("enable_prefix_caching", False)
+        super().__init__(str(folder), served_name or str(folder), **engine)
 
 
 def sse_events(text: str) -> list[dict]:

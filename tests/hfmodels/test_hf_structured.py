@@ -23,14 +23,6 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def reference_kernels():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAYSTATE_KERNELS", "reference")
-        mp.setattr("raystate.kernels._common._reference_forced", True)
-        yield
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_hf_checkpoint_outputs_follow_the_schema(tmp_path, family):
     folder = make_family_checkpoint(family, tmp_path / family)

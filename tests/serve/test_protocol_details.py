@@ -7,15 +7,14 @@ transport, by the official `openai` client where it has a method for the call.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
+from asgi_app import AsgiApp
 
 from raystate.tokenizer import ByteTokenizer
 
@@ -23,44 +22,12 @@ MODEL = "tiny"
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "raystate-vllm-dashboard.json"
 
 
-class App:
-    def __init__(self) -> None:
-        from raystate.client import InProcessClient
-        from raystate.serve.app import AppArgs
-        from raystate.serve.ingress import create_api
-        from raystate.serve.server import RaystateServer
-
-        self.loop = asyncio.new_event_loop()
-        self.server = RaystateServer(
-            InProcessClient(AppArgs(model=MODEL, backend="inprocess").engine_config())
-        )
-        transport = httpx.ASGITransport(app=create_api(self.server), raise_app_exceptions=False)
-        self.http = httpx.AsyncClient(transport=transport, base_url="http://local", timeout=60)
-        self.openai = openai.AsyncOpenAI(
-            base_url="http://local/v1", api_key="unused", max_retries=0, http_client=self.http
-        )
-
-    def run(self, coro):
-        return self.loop.run_until_complete(coro)
-
-    def post(self, path: str, body: dict) -> httpx.Response:
-        return self.run(self.http.post(path, json=body))
-
-    def get(self, path: str) -> httpx.Response:
-        return self.run(self.http.get(path))
-
-    def close(self) -> None:
-        self.run(self.http.aclose())
-        self.run(self.server.shutdown())
-        self.loop.close()
-
-
 @pytest.fixture(scope="module")
 def app():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAYSTATE_KERNELS", "reference")
         mp.setattr("raystate.kernels._common._reference_forced", True)
-        a = App()
+        a = AsgiApp(MODEL)
         try:
             yield a
         finally:

@@ -5,13 +5,11 @@ response_format is a 400 naming it."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-import httpx
 import jsonschema
-import openai
 import pytest
+from asgi_app import AsgiApp
 
 MODEL = "tiny"
 SCHEMA = {
@@ -27,41 +25,12 @@ SCHEMA = {
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
 
 
-class App:
-    def __init__(self) -> None:
-        from raystate.client import InProcessClient
-        from raystate.serve.app import AppArgs
-        from raystate.serve.ingress import create_api
-        from raystate.serve.server import RaystateServer
-
-        self.loop = asyncio.new_event_loop()
-        self.server = RaystateServer(
-            InProcessClient(AppArgs(model=MODEL, backend="inprocess").engine_config())
-        )
-        transport = httpx.ASGITransport(app=create_api(self.server), raise_app_exceptions=False)
-        self.http = httpx.AsyncClient(transport=transport, base_url="http://local", timeout=60)
-        self.openai = openai.AsyncOpenAI(
-            base_url="http://local/v1", api_key="unused", max_retries=0, http_client=self.http
-        )
-
-    def run(self, coro):
-        return self.loop.run_until_complete(coro)
-
-    def post(self, path: str, body: dict) -> httpx.Response:
-        return self.run(self.http.post(path, json=body))
-
-    def close(self) -> None:
-        self.run(self.http.aclose())
-        self.run(self.server.shutdown())
-        self.loop.close()
-
-
 @pytest.fixture(scope="module")
 def app():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAYSTATE_KERNELS", "reference")
         mp.setattr("raystate.kernels._common._reference_forced", True)
-        a = App()
+        a = AsgiApp(MODEL)
         try:
             yield a
         finally:

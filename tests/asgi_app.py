@@ -1,0 +1,48 @@
+"""One served model's FastAPI app over an `InProcessClient`, driven from an event loop of its own: the
+in-process HTTP harness of the serve, structured-output and Hugging Face tests (no Ray, no sockets).
+
+`post` / `get` send plain HTTP; `openai` is the official client over the same transport; `run` drives a
+coroutine (e.g. an `openai` call) to completion. Importable from every test folder: tests/conftest.py puts
+tests/ on sys.path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+
+
+class AsgiApp:
+    def __init__(self, model: str, served_name: str | None = None, **engine) -> None:
+        """`model`: a model word (`AppArgs.model`); `served_name`: the name clients send (default: the
+        model's); `engine`: EngineArgs knobs."""
+        from raystate.client import InProcessClient
+        from raystate.serve.app import AppArgs
+        from raystate.serve.ingress import create_api
+        from raystate.serve.server import RaystateServer
+
+        self.loop = asyncio.new_event_loop()
+        config = AppArgs(model=model, backend="inprocess", **engine).engine_config()
+        self.server = RaystateServer(InProcessClient(config), served_name)
+        self.name = self.server.model_name
+        transport = httpx.ASGITransport(app=create_api(self.server), raise_app_exceptions=False)
+        self.http = httpx.AsyncClient(transport=transport, base_url="http://local", timeout=120)
+        self.openai = openai.AsyncOpenAI(
+            base_url="http://local/v1", api_key="unused", max_retries=0, http_client=self.http
+        )
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return self.run(self.http.post(path, json=body))
+
+    def get(self, path: str) -> httpx.Response:
+        return self.run(self.http.get(path))
+
+    def close(self) -> None:
+        self.run(self.http.aclose())
+        self.run(self.server.shutdown())
+        self.loop.close()
