@@ -85,6 +85,7 @@ def run(
     steps: int,
     profile_steps: int = 0,
     model: str = "bench",
+    logprobs: int | None = None,
 ) -> tuple[list[float], LLM, list[list[int]], object]:
     """Decodes `steps` tokens for `batch` requests; returns the decode step times, the LLM, each request's
     tokens and, with profile_steps > 0, a torch.profiler run over that many steady decode steps (from
@@ -113,7 +114,7 @@ def run(
     vocab = min(llm.config.model.vocab_size, 1000)
     prompts = [rng.integers(0, vocab, context).tolist() for _ in range(batch)]
     engine = llm.engine
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(batch)}
@@ -145,10 +146,15 @@ def run(
 
 
 # (label, CUDA graphs, async scheduling, variant): "unguarded" replaces the graph's checked greedy step
-# with a plain argmax, to show the guard's cost side by side.
+# with a plain argmax, to show the guard's cost side by side; "logprobs 5" asks every request for its
+# sampled token's logprob and the top 5 (the logprobs variant of the graphs); "no split-KV" turns the
+# split-KV decode attention off (one program per row and kv head), its before/after. The last two are
+# run only when named in --configs.
 CONFIGS = (
     ("graphs + async", True, True, "default"),
     ("graphs + async, unguarded argmax", True, True, "unguarded"),
+    ("graphs + async, logprobs 5", True, True, "logprobs"),
+    ("graphs + async, no split-KV", True, True, "no_split"),
     ("graphs", True, False, "default"),
     ("eager", False, False, "default"),
 )
@@ -175,11 +181,17 @@ def main() -> None:
     floor = 0.0
     chosen = [c.strip() for c in args.configs.split(",") if c.strip()]
     for label, graphs, async_scheduling, layout in CONFIGS:
-        if chosen and label not in chosen:
+        if (chosen and label not in chosen) or (not chosen and layout in OPT_IN_VARIANTS):
             continue
         with step_variant(layout):
             times, llm, toks, _ = run(
-                graphs, async_scheduling, args.batch, args.context, args.steps, model=args.model
+                graphs,
+                async_scheduling,
+                args.batch,
+                args.context,
+                args.steps,
+                model=args.model,
+                logprobs=5 if layout == "logprobs" else None,
             )
         weights, kv = decode_floor_bytes(llm, args.batch, args.context)
         floor = (weights + kv) / bw
@@ -212,12 +224,25 @@ def main() -> None:
         plot(args.plot, medians, floor, args, name)
 
 
+OPT_IN_VARIANTS = ("logprobs", "no_split")
+
+
 @contextlib.contextmanager
 def step_variant(variant: str):
     """ "unguarded": the graph's greedy step without the non-finite-row guard (a plain argmax), for its
-    cost; "default": as shipped."""
-    if variant == "default":
+    cost; "no_split": no split-KV decode attention; "default" and "logprobs": as shipped."""
+    if variant in ("default", "logprobs"):
         yield
+        return
+    if variant == "no_split":
+        from raystate.kernels import attention_launch
+
+        saved = attention_launch.SPLIT_PROGRAMS_PER_SM
+        attention_launch.SPLIT_PROGRAMS_PER_SM = 0  # decode_kv_splits then gives 1
+        try:
+            yield
+        finally:
+            attention_launch.SPLIT_PROGRAMS_PER_SM = saved
         return
     from raystate.worker import cudagraph
 
