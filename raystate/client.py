@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from raystate.config import EngineConfig
-from raystate.errors import EngineDead
+from raystate.errors import EngineDead, InvalidRequest
+from raystate.fanout import ChildRequest
 from raystate.messages import RequestUpdate, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,13 @@ class Client(abc.ABC):
     ) -> AsyncIterator[RequestUpdate]:
         """Queues the request (raising InvalidRequest before anything is queued if it is bad) and yields
         its updates. Closing the iterator early (a client that went away) aborts the request."""
+
+    @abc.abstractmethod
+    async def generate_group(self, requests: list[ChildRequest]) -> list[AsyncIterator[RequestUpdate]]:
+        """Queues several requests at once, atomically (all accepted, or InvalidRequest and none), and
+        returns each one's updates. This is how the n choices of a prompt are submitted
+        (`raystate.fanout.child_requests`): together, so that the later ones are forked from the first.
+        Closing an iterator early aborts its request; a caller that never iterates one aborts it itself."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None: ...
@@ -102,18 +110,40 @@ class InProcessClient(Client):
     async def generate(
         self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestUpdate]:
+        rid = request_id or f"local-{next(self._ids)}"
+        (updates,) = await self.generate_group([ChildRequest(rid, list(prompt_token_ids), sampling, None, 0)])
+        try:
+            async for u in updates:
+                yield u
+        finally:
+            await updates.aclose()
+
+    async def generate_group(self, requests: list[ChildRequest]) -> list[AsyncIterator[RequestUpdate]]:
         if self._error is not None or self._stopped:
             await self.check_alive()
-        rid = request_id or f"local-{next(self._ids)}"
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = (asyncio.get_running_loop(), queue)
+        loop = asyncio.get_running_loop()
+        queues = {r.req_id: asyncio.Queue() for r in requests}
+        if len(queues) < len(requests) or any(rid in self._queues for rid in queues):
+            raise InvalidRequest("request_id", "unique among unfinished requests", list(queues))
+        for rid, queue in queues.items():
+            self._queues[rid] = (loop, queue)
+        added: list[str] = []
         try:
             with self._lock:
-                self._engine.add_request(rid, list(prompt_token_ids), sampling)
+                for r in requests:
+                    self._engine.add_request(r.req_id, list(r.prompt_token_ids), r.sampling, r.fork_of)
+                    added.append(r.req_id)
         except BaseException:
-            self._queues.pop(rid, None)
+            with self._lock:
+                for rid in added:
+                    self._engine.abort(rid)
+            for rid in queues:
+                self._queues.pop(rid, None)
             raise
         self._wake.set()
+        return [self._updates(rid, queue) for rid, queue in queues.items()]
+
+    async def _updates(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestUpdate]:
         finished = False
         try:
             while not finished:

@@ -37,6 +37,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from raystate.client import Client
 from raystate.config import EngineConfig
 from raystate.errors import EngineDead, InvalidRequest
+from raystate.fanout import ChildRequest
 from raystate.messages import (
     AddBatch,
     AddRequest,
@@ -102,16 +103,17 @@ class RayClient(Client):
 
     # -- submitting ----------------------------------------------------------------------------------------
 
-    def _encode_batch(self, items: Sequence[tuple[str, list[int], SamplingParams]]) -> bytes:
+    def _encode_batch(self, items: Sequence[tuple]) -> bytes:
+        """`items`: (request id, prompt ids, sampling[, fork_of]) tuples (fork_of: `raystate.fanout`)."""
         reqs = []
-        for rid, ids, sampling in items:
+        for rid, ids, sampling, *fork in items:
             if not isinstance(sampling, SamplingParams):
                 raise InvalidRequest("sampling", "a SamplingParams", type(sampling).__name__)
             try:
                 data = ids_to_bytes(ids)
             except (TypeError, OverflowError) as e:
                 raise InvalidRequest("prompt_token_ids", "a list of int32 token ids", str(e)) from None
-            reqs.append(AddRequest(rid, data, sampling))
+            reqs.append(AddRequest(rid, data, sampling, (fork[0] if fork else None) or ""))
         return encode(AddBatch(self.client_id, reqs))
 
     def _register(self, rids: list[str], sink: Sink) -> None:
@@ -142,7 +144,7 @@ class RayClient(Client):
     def submit(self, items: Sequence[tuple[str, list[int], SamplingParams]], sink: Sink) -> None:
         """Blocking: queues (request id, prompt ids, sampling) triples atomically; updates go to `sink`."""
         data = self._encode_batch(items)
-        rids = [rid for rid, _, _ in items]
+        rids = [item[0] for item in items]
         self._register(rids, sink)
         try:
             reply = ray.get(self._scheduler.add_requests.remote(data), timeout=self.call_timeout_s)
@@ -153,7 +155,7 @@ class RayClient(Client):
 
     async def submit_async(self, items: Sequence[tuple[str, list[int], SamplingParams]], sink: Sink) -> None:
         data = self._encode_batch(items)
-        rids = [rid for rid, _, _ in items]
+        rids = [item[0] for item in items]
         self._register(rids, sink)
         try:
             reply = await self._call(self._scheduler.add_requests.remote(data), "add_requests")
@@ -211,12 +213,31 @@ class RayClient(Client):
         self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestUpdate]:
         rid = request_id or self.new_request_id()
+        (updates,) = await self.generate_group([ChildRequest(rid, list(prompt_token_ids), sampling, None, 0)])
+        try:
+            async for u in updates:
+                yield u
+        finally:
+            await updates.aclose()
+
+    async def generate_group(self, requests: list[ChildRequest]) -> list[AsyncIterator[RequestUpdate]]:
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        queues = {r.req_id: asyncio.Queue() for r in requests}
+
+        def deliver(item) -> None:  # on the event loop: an update to its request, an error to all
+            if isinstance(item, BaseException):
+                for q in queues.values():
+                    q.put_nowait(item)
+            elif (q := queues.get(item.req_id)) is not None:
+                q.put_nowait(item)
+
         await self.submit_async(
-            [(rid, list(prompt_token_ids), sampling)],
-            lambda u: loop.call_soon_threadsafe(queue.put_nowait, u),
+            [(r.req_id, list(r.prompt_token_ids), r.sampling, r.fork_of) for r in requests],
+            lambda item: loop.call_soon_threadsafe(deliver, item),
         )
+        return [self._updates(rid, q) for rid, q in queues.items()]
+
+    async def _updates(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestUpdate]:
         finished = False
         try:
             while not finished:

@@ -69,8 +69,16 @@ class InProcessEngine:
         # A profiled step runs alone (nothing planned on top of it), so each StepTiming is one whole step.
         self._driver.lookahead = self.config.async_scheduling and not on
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        self.scheduler.add_request(req_id, prompt_token_ids, sampling)
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        fork_of: str | None = None,
+    ) -> None:
+        """Queues a request; `fork_of` names a sibling with the same prompt (one of n choices) whose
+        prompt KV it shares (`Scheduler.add_request`)."""
+        self.scheduler.add_request(req_id, prompt_token_ids, sampling, fork_of=fork_of)
 
     def abort(self, req_id: str) -> None:
         self.scheduler.abort(req_id)

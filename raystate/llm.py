@@ -33,6 +33,7 @@ from raystate.engine_args import (
     resolve_model,
 )
 from raystate.errors import InvalidRequest
+from raystate.fanout import child_requests
 from raystate.messages import SamplingParams, unpack_logprobs
 from raystate.serve.text import load_model_text
 
@@ -64,7 +65,22 @@ def logprob_dicts(data: bytes) -> list[TokenLogprobs]:
 
 
 @dataclass
+class CompletionOutput:
+    """One of a request's n choices (`RequestOutput.outputs`), as in vLLM."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+
+
+@dataclass
 class RequestOutput:
+    """One prompt's result. `outputs` holds its n choices (SamplingParams.n); the flat fields (token_ids,
+    text, finish_reason, error, logprobs, num_cached_tokens, replay_start) are those of choice 0."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -78,6 +94,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing precedes it).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -214,52 +231,65 @@ class LLM:
             raise InvalidRequest("sampling_params", f"one per prompt ({len(items)})", len(params))
         if self.cluster is not None:
             return self._generate_ray(items, params, use_tqdm)
-        outputs: dict[str, RequestOutput] = {}
-        order: list[str] = []
+        outputs: dict[str, RequestOutput] = {}  # per engine request (one per choice)
+        groups: list[tuple[str, list[str]]] = []  # per prompt: its id and its choices' engine ids
         for (text, ids), sp in zip(items, params, strict=True):
             rid = f"req-{next(self._ids)}"
+            children = child_requests(rid, ids, sp)
             try:
-                self.engine.add_request(rid, ids, sp)
+                for c in children:
+                    self.engine.add_request(c.req_id, ids, c.sampling, fork_of=c.fork_of)
+                    outputs[c.req_id] = _new_output(c.req_id, text, ids, sp)
             except ValueError:
                 # Withdraw this call's earlier prompts; requests accepted before the call run on.
-                for queued in order:
+                for queued in outputs:
                     self.engine.abort(queued)
                 raise
-            outputs[rid] = _new_output(rid, text, ids, sp)
-            order.append(rid)
-        bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm or len(order) < 2)
-        pending = set(order)
+            groups.append((rid, [c.req_id for c in children]))
+        bar = tqdm(total=len(groups), desc="generate", disable=not use_tqdm or len(groups) < 2)
+        pending = set(outputs)
         while pending:
-            for u in self.engine.step():
-                _apply_update(outputs, pending, bar, u)
-        return self._finish(outputs, order, bar)
+            updates = self.engine.step()
+            for u in updates:
+                _apply_update(outputs, pending, u)
+            if any(u.finished for u in updates):
+                bar.update(sum(all(outputs[c].finished for c in cs) for _, cs in groups) - bar.n)
+        return self._finish(outputs, groups, bar)
 
     def _generate_ray(self, items, params, use_tqdm: bool) -> list[RequestOutput]:
         """Submits the call's prompts as one atomic batch and collects the streamed updates."""
-        outputs: dict[str, RequestOutput] = {}
+        outputs: dict[str, RequestOutput] = {}  # per engine request (one per choice)
+        groups: list[tuple[str, list[str]]] = []
         batch = []
         for (text, ids), sp in zip(items, params, strict=True):
             rid = f"req-{next(self._ids)}"
-            outputs[rid] = _new_output(rid, text, ids, sp)
-            batch.append((rid, ids, sp))
+            children = child_requests(rid, ids, sp)
+            for c in children:
+                outputs[c.req_id] = _new_output(c.req_id, text, ids, sp)
+                batch.append((c.req_id, ids, c.sampling, c.fork_of))
+            groups.append((rid, [c.req_id for c in children]))
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.cluster.submit(batch, inbox.put)  # InvalidRequest withdraws the whole batch
-        order = list(outputs)
-        bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm or len(order) < 2)
-        pending = set(order)
+        bar = tqdm(total=len(groups), desc="generate", disable=not use_tqdm or len(groups) < 2)
+        pending = set(outputs)
         try:
             while pending:
                 item = inbox.get()
                 if isinstance(item, BaseException):
                     raise item
-                _apply_update(outputs, pending, bar, item)
+                _apply_update(outputs, pending, item)
+                if item.finished:
+                    bar.update(sum(all(outputs[c].finished for c in cs) for _, cs in groups) - bar.n)
         except BaseException:  # e.g. Ctrl-C: the deployment must not keep generating for nobody
             bar.close()
             self.cluster.abort_nowait(pending)
             raise
-        return self._finish(outputs, order, bar)
+        return self._finish(outputs, groups, bar)
 
-    def _finish(self, outputs: dict[str, RequestOutput], order: list[str], bar) -> list[RequestOutput]:
+    def _finish(
+        self, outputs: dict[str, RequestOutput], groups: list[tuple[str, list[str]]], bar
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt: choice 0's, with every choice in `outputs`."""
         bar.close()
         for out in outputs.values():
             out.text = self.text.decode(out.token_ids)
@@ -267,7 +297,16 @@ class LLM:
                 for d in per_token:
                     for tid, lp in (d or {}).items():
                         lp.decoded_token = self.text.decode([tid], skip_special_tokens=False)
-        return [outputs[r] for r in order]
+        results = []
+        for rid, children in groups:
+            first = outputs[children[0]]
+            first.request_id = rid
+            first.outputs = [
+                CompletionOutput(i, o.text, o.token_ids, o.finish_reason, o.logprobs, o.error)
+                for i, o in enumerate(outputs[c] for c in children)
+            ]
+            results.append(first)
+        return results
 
 
 def _new_output(rid: str, text: str | None, ids: list[int], sp: SamplingParams) -> RequestOutput:
@@ -279,7 +318,7 @@ def _new_output(rid: str, text: str | None, ids: list[int], sp: SamplingParams) 
     return out
 
 
-def _apply_update(outputs: dict[str, RequestOutput], pending: set[str], bar, u) -> None:
+def _apply_update(outputs: dict[str, RequestOutput], pending: set[str], u) -> None:
     out = outputs.get(u.req_id)
     if out is None:
         return
@@ -294,4 +333,3 @@ def _apply_update(outputs: dict[str, RequestOutput], pending: set[str], bar, u) 
         out.finish_reason = u.finish_reason
         out.error = u.error
         pending.discard(u.req_id)
-        bar.update(1)

@@ -73,6 +73,10 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     # the grammar does not allow (EOS only once the JSON is complete); at most one of the two is set.
     json_schema: str | None = None
     json_object: bool = False
+    # Choices per prompt. The front ends (LLM, the OpenAI server) submit n > 1 as n requests of n = 1
+    # (`raystate.fanout.child_requests`), the later ones forked from the first (they share its prompt
+    # KV); the engine itself takes n = 1 only.
+    n: int = 1
 
     @property
     def structured(self) -> bool:
@@ -93,6 +97,8 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     def validate(self, vocab_size: int) -> None:
         """Raises InvalidRequest (a ValueError) naming the field and the limit. Temperatures in
         (0, 1e-5) are accepted and sampled greedily (the sampler's MIN_TEMPERATURE)."""
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequest("n", f"an integer in [1, {MAX_N}]", self.n)
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32:
             raise InvalidRequest("max_tokens", f"an integer in [1, {MAX_INT32}]", self.max_tokens)
         if not _is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
@@ -155,6 +161,7 @@ MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 MAX_BIAS_VALUE = 100.0
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
 MAX_JSON_SCHEMA_CHARS = 65536
+MAX_N = 128  # choices per prompt
 
 
 def _check_json_schema(schema: object) -> None:
@@ -296,6 +303,7 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     req_id: str
     token_ids: bytes  # int32 LE [num_prompt_tokens]
     sampling: SamplingParams
+    fork_of: str = ""  # a sibling with the same prompt to fork from (`Scheduler.add_request`); "": none
 
 
 class AddBatch(msgspec.Struct, array_like=True, gc=False):

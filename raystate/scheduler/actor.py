@@ -143,7 +143,9 @@ class SchedulerActor:
         with self._lock:
             for i, r in enumerate(batch.requests):
                 try:
-                    self._sched.add_request(r.req_id, bytes_to_ids(r.token_ids), r.sampling)
+                    self._sched.add_request(
+                        r.req_id, bytes_to_ids(r.token_ids), r.sampling, fork_of=r.fork_of or None
+                    )
                 except InvalidRequest as e:
                     for earlier in batch.requests[:i]:
                         self._sched.abort(earlier.req_id)

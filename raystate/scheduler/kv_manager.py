@@ -242,6 +242,58 @@ class KVManager:
             n = 0
         return n
 
+    def fork(self, child: Request, parent: Request) -> int:
+        """Starts `child`, a sibling with parent's prompt (n > 1), on parent's blocks: parent's last prompt
+        chunk is scheduled in this step, so parent holds blocks for its whole prompt of P tokens and writes
+        its KV in this step. The child shares parent's blocks below the fork point f (the whole blocks
+        before the one holding token P - 1, in every group), takes fresh blocks from f on and computes
+        [f, P) in this same step: within one step every layer writes all rows' KV before any row reads
+        it, so the child reads what parent writes (as shared replay's borrowers do). The block at f is the
+        first one the two may write differently, so it is never shared.
+
+        A window group shares only the blocks the child's queries read (from f - W + 1 on); if parent has
+        already released one of them (a last chunk that starts past f), there is no fork. Returns the
+        tokens the child computes (P - f), or 0 when it cannot fork here (the child then holds nothing).
+        """
+        if child.block_ids:
+            raise RuntimeError(f"fork: request {child.req_id!r} already holds blocks")
+        bs = self.block_size
+        prompt = parent.num_tokens
+        fork_at = (prompt - 1) // bs * bs
+        shared = fork_at // bs
+        if not shared or len(parent.block_ids) != len(self.pools):
+            return 0
+        window = dict(self.window)
+        block_ids: list[list[int]] = []
+        released: list[int] = []
+        for i, parent_ids in enumerate(parent.block_ids):
+            lo = 0
+            if i in window:
+                lo = max(0, fork_at - window[i] + 1) // bs  # the first block the child's queries read
+                released.append(lo)
+            ids = parent_ids[lo:shared]
+            if len(ids) != shared - lo or NULL_BLOCK in ids:
+                return 0
+            block_ids.append(ids)
+        need = -(-prompt // bs)
+        for pool in self.pools:
+            if need - shared > pool.num_available:
+                return 0
+        for i, pool in enumerate(self.pools):
+            pool.share(block_ids[i])
+            lo = shared - len(block_ids[i])
+            block_ids[i] = [NULL_BLOCK] * lo + block_ids[i] + pool.allocate(need - shared)
+        child.block_ids = block_ids
+        child.new_block_ids = None
+        child.block_capacity = need * bs
+        child.num_registered = shared if self._cacheable_indices else 0  # parent registers those
+        child.num_released = released
+        child.num_computed = fork_at
+        child.replay_start = parent.replay_start  # the floor parent's window KV was computed under
+        child.num_cached_tokens = fork_at
+        self._set_check_at(child)
+        return prompt - fork_at
+
     # -- growth ------------------------------------------------------------------------------------------
 
     def allocate(self, req: Request, num_scheduled: int) -> bool:

@@ -65,6 +65,8 @@ class Request:
         "stop_token_ids",
         "prompt_logprobs",
         "prompt_logprobs_next",
+        "fork_parent",
+        "forks",
     )
 
     def __init__(
@@ -114,6 +116,11 @@ class Request:
         # then None) and the next prompt position they lack (a recomputed chunk's repeats are dropped).
         self.prompt_logprobs: list[bytes] | None = [] if sampling.prompt_logprobs is not None else None
         self.prompt_logprobs_next = 0
+        # Siblings of one prompt (n > 1, `Scheduler.add_request(fork_of=...)`): a sibling waits parked on
+        # the request that computes the prompt (`fork_parent`, which lists it in `forks`) instead of in
+        # the queue, and is forked from it when its last prompt chunk is scheduled (ShardScheduler).
+        self.fork_parent: Request | None = None
+        self.forks: list[Request] | None = None
 
     # -- token history ---------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from raystate.config import EngineConfig
 from raystate.errors import InvalidRequest
 from raystate.messages import RequestUpdate, SamplingParams, StepMessage, StepResult
 from raystate.scheduler.prefix_cache import PromptHasher
-from raystate.scheduler.request import Request
+from raystate.scheduler.request import Request, RequestStatus
 from raystate.scheduler.router import DEFAULT_LOAD_PENALTY, route
 from raystate.scheduler.shard_scheduler import ShardScheduler
 
@@ -48,6 +48,12 @@ class SchedulerStats:
     num_preemptions: int
     # sum of h - replay_start over admissions that borrowed a window rebuilt in the same step
     shared_replay_tokens: int = 0
+    # sum of the prompt tokens n > 1 siblings took from the sibling that computed the prompt (forks)
+    forked_tokens: int = 0
+
+
+# A request siblings may wait on: not yet finished or aborted (its prompt is checked apart).
+_FORKABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING)
 
 
 class Scheduler:
@@ -73,10 +79,21 @@ class Scheduler:
     # -- intake ------------------------------------------------------------------------------------------
 
     def add_request(
-        self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams, shard: int | None = None
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        shard: int | None = None,
+        fork_of: str | None = None,
     ) -> None:
         """Queues a request on the shard the router picks. Raises InvalidRequest (a ValueError naming the
-        field and the limit) before changing anything, so no accepted request is affected."""
+        field and the limit) before changing anything, so no accepted request is affected.
+
+        `fork_of`: the id of a sibling with the same prompt (one of a request's n choices). While that
+        sibling has not had its last prompt chunk scheduled, this one waits on it and is then forked from
+        it: it shares the prompt's KV blocks (up to the block holding the last prompt token, which it
+        computes itself) instead of computing the prompt again (`ShardScheduler._fork_siblings`). Else,
+        or when it cannot be forked then, it is queued as any request (a prefix-cache hit, if any)."""
         model = self.config.model
         vocab = model.vocab_size
         max_len = self.config.max_model_len
@@ -107,6 +124,8 @@ class Scheduler:
         if n >= limit:
             raise InvalidRequest("prompt_token_ids", f"fewer than {limit} tokens ({why})", n)
         sampling.validate(vocab)
+        if sampling.n != 1:
+            raise InvalidRequest("n", "1 per engine request (raystate.fanout makes n requests)", sampling.n)
         if n + sampling.max_tokens > limit:
             raise InvalidRequest(
                 "max_tokens", f"<= {limit - n} ({why}; the prompt has {n})", sampling.max_tokens
@@ -118,12 +137,32 @@ class Scheduler:
         # Hash the prompt's full blocks once; admission, routing and registration reuse them.
         if self._prompt_hasher is not None:
             self._prompt_hasher.hash_prompt(tokens, req.block_hashes, n // self._block_size)
+        parent = self._fork_parent(req, fork_of) if fork_of and shard is None else None
+        if parent is not None:
+            self._requests[req_id] = req
+            self.shards[parent.shard].park(req, parent)
+            return
         if shard is None:
             shard = route(req, self.shards, self.live_shards(), self.load_penalty)
         elif shard not in self.live_shards():
             raise InvalidRequest("shard", f"one of the live shards {self.live_shards()}", shard)
         self._requests[req_id] = req
         self.shards[shard].enqueue(req)
+
+    def _fork_parent(self, req: Request, fork_of: str) -> Request | None:
+        """The request `req` can be forked from (`add_request`), or None: an unfinished request with the
+        same prompt, no output yet, and its last prompt chunk not scheduled (a parked sibling stands for
+        the request it waits on). A request asking for prompt logprobs computes its own prompt."""
+        parent = self._requests.get(fork_of)
+        if parent is not None and parent.fork_parent is not None:
+            parent = parent.fork_parent
+        if parent is None or req.sampling.prompt_logprobs is not None:
+            return None
+        if parent.num_tokens != parent.num_prompt_tokens or parent.token_ids != req.token_ids:
+            return None
+        if parent.num_computed + parent.num_scheduled >= parent.num_prompt_tokens:
+            return None  # its last chunk is scheduled already
+        return parent if parent.status in _FORKABLE else None
 
     def live_shards(self) -> list[int]:
         return [s for s in range(self.num_shards) if s not in self.dropped]
@@ -133,7 +172,7 @@ class Scheduler:
         ids = self.reset_shard(shard)
         self.dropped.add(shard)
         gone = self.shards[shard]
-        moved = list(gone.waiting)
+        moved = sorted([*gone.waiting, *gone.unpark_all()], key=lambda r: r.arrival)
         gone.waiting.clear()
         live = self.live_shards()
         for req in moved:
@@ -187,12 +226,13 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=[len(s.running) for s in self.shards],
-            num_waiting=[len(s.waiting) for s in self.shards],
+            num_waiting=[len(s.waiting) + s.num_parked for s in self.shards],
             num_free_blocks=[s.kv.num_available() for s in self.shards],
             prefix_hit_tokens=sum(s.prefix_hit_tokens for s in self.shards),
             replayed_tokens=sum(s.replayed_tokens for s in self.shards),
             num_preemptions=sum(s.num_preemptions for s in self.shards),
             shared_replay_tokens=sum(s.shared_replay_tokens for s in self.shards),
+            forked_tokens=sum(s.forked_tokens for s in self.shards),
         )
 
     def check_integrity(self) -> None:

@@ -81,6 +81,8 @@ class ShardScheduler:
         self.prefix_hit_tokens = 0
         self.replayed_tokens = 0
         self.shared_replay_tokens = 0
+        self.forked_tokens = 0  # sum of the fork points f of the siblings forked (KVManager.fork)
+        self.num_parked = 0  # siblings parked on a request of this shard (`park`)
 
     def enqueue(self, req: Request, front: bool = False) -> None:
         req.shard = self.shard
@@ -88,6 +90,36 @@ class ShardScheduler:
             self.waiting.appendleft(req)
         else:
             self.waiting.append(req)
+
+    def park(self, req: Request, parent: Request) -> None:
+        """Holds req, a sibling with parent's prompt (n > 1), until parent's last prompt chunk is
+        scheduled: then it is forked from parent (`_fork_siblings`) or, if it cannot be, queued."""
+        req.shard = self.shard
+        req.fork_parent = parent
+        if parent.forks is None:
+            parent.forks = []
+        parent.forks.append(req)
+        self.num_parked += 1
+
+    def _unpark(self, parent: Request, front: bool = True) -> list[Request]:
+        """Takes parent's parked siblings back into the queue (at its front by default, in arrival
+        order: they arrived with parent), and returns them."""
+        siblings = parent.forks or []
+        parent.forks = None
+        for req in siblings:
+            req.fork_parent = None
+        self.num_parked -= len(siblings)
+        if front:
+            self.waiting.extendleft(reversed(siblings))
+        return siblings
+
+    def unpark_all(self) -> list[Request]:
+        """Every parked sibling of this shard, unparked and not queued (the shard is going away)."""
+        out = []
+        for req in [*self.running, *self.waiting]:
+            if req.forks:
+                out += self._unpark(req, front=False)
+        return out
 
     # -- the step ----------------------------------------------------------------------------------------
 
@@ -135,6 +167,8 @@ class ShardScheduler:
             rows.append(req)
             budget -= n
         new_rows = self._admit_waiting(budget) if self.num_preemptions == preempted else []
+        if self.num_parked:
+            new_rows += self._fork_siblings(new_rows, rows)
         if not (new_rows or rows or self._finished_ids or self._preempted_ids):
             return None
         new_requests = [self._new_request(req) for req in new_rows]
@@ -254,6 +288,39 @@ class ShardScheduler:
         self.replayed_tokens += replayed_tokens
         self.shared_replay_tokens += shared_tokens
         return admitted
+
+    def _fork_siblings(self, new_rows: list[Request], rows: list[Request]) -> list[Request]:
+        """Forks the parked siblings of every request whose last prompt chunk this step schedules
+        (KVManager.fork), while sequence slots, tokens and blocks last; the rest are queued at the front.
+        Returns the forked ones, admitted as new rows of this step."""
+        budget = (
+            self.max_num_batched_tokens
+            - sum(req.num_scheduled for req in new_rows)
+            - sum(req.num_scheduled for req in rows)
+        )
+        forked: list[Request] = []
+        for parent in [*new_rows, *rows]:
+            if not parent.forks:
+                continue
+            end = parent.num_computed + parent.num_scheduled
+            if end != parent.num_prompt_tokens or parent.num_tokens != end:
+                continue  # a chunk before the last: the siblings stay parked
+            siblings = self._unpark(parent, front=False)
+            tail = end - (end - 1) // self.kv.block_size * self.kv.block_size  # tokens a child computes
+            for k, req in enumerate(siblings):
+                n = 0
+                if len(self.running) < self.max_num_seqs and budget >= tail:
+                    n = self.kv.fork(req, parent)
+                if not n:  # no room or no fork: this one and the rest take the queue's way
+                    self.waiting.extendleft(reversed(siblings[k:]))
+                    break
+                req.status = _RUNNING
+                req.num_scheduled = n
+                bisect.insort(self.running, req, key=_by_arrival)
+                forked.append(req)
+                budget -= n
+                self.forked_tokens += req.num_computed
+        return forked
 
     def _new_request(self, req: Request) -> NewRequest:
         req.new_block_ids = None  # the full lists below include them
@@ -380,18 +447,27 @@ class ShardScheduler:
     def _finish(self, req: Request, reason: str) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        if req.forks:  # failed before its last prompt chunk: the siblings compute the prompt themselves
+            self._unpark(req)
         req.status = _FINISHED[reason]
         req.finish_reason = reason
         self._finished_ids.append(req.req_id)
 
     def abort(self, req: Request) -> None:
-        """Drops req wherever it is; a running one's id goes out in the next finished_ids."""
-        if req.status is _RUNNING:
+        """Drops req wherever it is; a running one's id goes out in the next finished_ids. Siblings
+        parked on it are queued (the first of them computes the prompt instead)."""
+        if req.fork_parent is not None:  # a parked sibling
+            req.fork_parent.forks.remove(req)
+            req.fork_parent = None
+            self.num_parked -= 1
+        elif req.status is _RUNNING:
             self.running.remove(req)
             self.kv.free(req)
             self._finished_ids.append(req.req_id)
         else:
             self.waiting.remove(req)
+        if req.forks:
+            self._unpark(req)
         req.num_scheduled = 0
         req.status = RequestStatus.FINISHED_ABORTED
         req.finish_reason = "abort"
@@ -430,8 +506,13 @@ class ShardScheduler:
                 assert held[b] == ref_cnt[b], (
                     f"shard {self.shard} group {g} block {b}: {held[b]} holders, ref count {ref_cnt[b]}"
                 )
-        for req in self.waiting:
-            assert not req.block_ids, f"waiting request {req.req_id!r} holds blocks"
+        parked = 0
+        for req in [*self.waiting, *self.running]:
+            assert not req.block_ids or req.status is _RUNNING, f"waiting request {req.req_id!r} holds blocks"
+            for sibling in req.forks or ():
+                assert sibling.fork_parent is req and not sibling.block_ids, f"parked {sibling.req_id!r}"
+                parked += 1
+        assert parked == self.num_parked, f"shard {self.shard}: {parked} parked, counted {self.num_parked}"
 
 
 def _collect_prompt_logprobs(req: Request, blob: bytes) -> None:
