@@ -153,8 +153,8 @@ def run(
 CONFIGS = (
     ("graphs + async", True, True, "default"),
     ("graphs + async, unguarded argmax", True, True, "unguarded"),
-    ("graphs + async, logprobs 5", True, True, "logprobs"),
-    ("graphs + async, no split-KV", True, True, "no_split"),
+    ("graphs + async + logprobs 5", True, True, "logprobs"),
+    ("graphs + async + no split-KV", True, True, "no_split"),
     ("graphs", True, False, "default"),
     ("eager", False, False, "default"),
 )
