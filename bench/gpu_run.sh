@@ -38,11 +38,11 @@ for part in $parts; do
     decode_small)  # issue 17: batch 1 and 8 at 4k context, split-KV decode attention on and off
       for b in 1 8; do
         timeout 200 python3 bench/bench_decode.py --batch $b --context 4096 --steps 48 \
-          --configs "graphs + async,graphs + async, no split-KV" 2>&1 | tee "$OUT/decode_b$b.log" | grep decode
+          --configs "graphs + async,graphs + async + no split-KV" 2>&1 | tee "$OUT/decode_b$b.log" | grep decode
       done ;;
     logprobs)  # issue 16: what logprobs (sampled + top 5) add to a batch-64 decode step
       timeout 200 python3 bench/bench_decode.py --batch 64 --context 2048 --steps 48 \
-        --configs "graphs + async,graphs + async, logprobs 5" 2>&1 | tee "$OUT/decode_logprobs.log" | grep decode ;;
+        --configs "graphs + async,graphs + async + logprobs 5" 2>&1 | tee "$OUT/decode_logprobs.log" | grep decode ;;
     prefix)
       timeout 300 python3 bench/bench_prefix.py --plot "$OUT/prefix.png" --json "$OUT/prefix.json" 2>&1 \
         | tee "$OUT/prefix.log" | tail -16 ;;
