@@ -404,6 +404,19 @@ def test_launch_config_defaults_and_overrides():
     assert (block_q, launch.block_m, launch.block_n, launch.row_programs) == (4, 16, 128, False)
 
 
+def test_decode_launch_fits_wide_heads_with_three_stages():
+    """Keys of D = 256 (bf16, 512 bytes a row) do not fit 128-key steps in the H200's 232448 bytes of
+    shared memory: the decode loop halves its key step and then takes a third stage back (it fits);
+    the prefill loop only shrinks."""
+    smem = 232448
+    _, decode = launch_config(2, 1, None, key_row_bytes=512, smem_limit=smem)
+    assert (decode.block_n, decode.num_stages, decode.row_programs) == (64, 3, True)
+    _, narrow = launch_config(2, 1, None, key_row_bytes=256, smem_limit=smem)  # D = 128: as tuned
+    assert (narrow.block_n, narrow.num_stages) == (128, 2)
+    _, prefill = launch_config(2, None, None, key_row_bytes=512, smem_limit=smem)
+    assert not prefill.row_programs and prefill.num_stages == 2
+
+
 @pytest.mark.parametrize("group", range(1, 9))
 def test_shrunk_tiles_hold_the_longest_row(group):
     """The default picks the row layout only for tiles that max_query_len shrinks; such a tile always
