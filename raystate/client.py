@@ -159,8 +159,16 @@ class InProcessClient(Client):
                     self._engine.abort(rid)
 
     async def abort(self, request_id: str) -> None:
+        """Drops the request; as on the Ray backend, its stream gets a last update with finish_reason
+        "abort" (and a stream never iterated leaves nothing behind)."""
         with self._lock:
+            req = self._engine.scheduler.get_request(request_id)
             self._engine.abort(request_id)
+        target = self._queues.pop(request_id, None)
+        if req is not None and target is not None:
+            loop, queue = target
+            update = RequestUpdate(request_id, [], True, "abort", req.num_cached_tokens, req.replay_start)
+            loop.call_soon_threadsafe(queue.put_nowait, update)
 
     async def health(self) -> bool:
         params = SamplingParams(max_tokens=1, ignore_eos=True)

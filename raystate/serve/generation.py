@@ -1,11 +1,14 @@
 """One request's run through a `Client`, as the OpenAI server sees it.
 
-`Generation` turns the request's `RequestUpdate`s into text deltas (through the model's text stream:
-`TextStream` or `HFTextStream`, which apply stop strings), records time to first token and inter-token
-gaps, and guarantees the request ends: unless the backend finished it, closing the generation aborts it,
-so its KV blocks go back to the pool at once (a client that disconnected, a stop string matched).
-`EventStream` ties a streamed response to its generation so that closing the stream always closes the
-request too.
+A request of n choices (of each of its prompts) runs as n engine requests per prompt
+(`raystate.fanout.child_requests`), all submitted in one `Client.generate_group` call so that a prompt's
+later choices are forked from its first. `Generation` is one choice: it turns its engine request's
+`RequestUpdate`s into text deltas (through the model's text stream: `TextStream` or `HFTextStream`, which
+apply stop strings), records time to first token and inter-token gaps, and guarantees the engine request
+ends: unless the backend finished it, closing the generation aborts it, so its KV blocks go back to the
+pool at once (a client that disconnected, a stop string matched), also when its updates were never read.
+`merged_deltas` interleaves the choices' deltas as they come; `EventStream` ties a streamed response to
+its generations so that closing the stream always closes every choice too.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from raystate.client import Client
 from raystate.errors import EngineDead, RequestFailed
+from raystate.fanout import ChildRequest, child_requests
 from raystate.messages import RequestUpdate, SamplingParams
 from raystate.serve.detokenize import TextStream
 from raystate.serve.metrics import ServeMetrics
@@ -29,22 +33,53 @@ from raystate.serve.protocol import PromptTokensDetails, Usage
 logger = logging.getLogger(__name__)
 
 
+class PromptPart(NamedTuple):
+    """One prompt of a request: its ids, its sampling (`n` choices of it) and, for a completion with
+    `echo`, its text, sent before each choice's output (None: no echo)."""
+
+    ids: list[int]
+    sampling: SamplingParams
+    echo_text: str | None = None
+
+
 @dataclass
 class Prepared:
-    """A validated request, ready for `Client.generate`."""
+    """A validated request, ready for `Client.generate_group`: one prompt (chat), or one or more
+    (completions), each run for `n` choices; choice i of prompt p has index p * n + i in the response."""
 
     request_id: str
     endpoint: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
+    prompts: list[PromptPart]
     stop: list[str] | None
     return_token_ids: bool
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
-    # completions `echo`: the prompt's text, sent before the output (None: no echo); `prompt_only`:
-    # max_tokens 0 with echo, run for one token that is dropped
-    echo_text: str | None = None
+    # max_tokens 0 with echo: each choice runs for one token that is dropped
     prompt_only: bool = False
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The first prompt's ids (the only prompt of a chat)."""
+        return self.prompts[0].ids
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The first prompt's sampling (the prompts' differ at most in max_tokens)."""
+        return self.prompts[0].sampling
+
+    @property
+    def n(self) -> int:
+        return self.sampling.n
+
+    def child_requests(self) -> list[ChildRequest]:
+        """The engine requests of every choice of every prompt, in index order (`ChildRequest.index`: the
+        response's, p * n + i); their ids are the request's id (one prompt) or `{id}-{p}` (prompt p of
+        several), `-{i}` added for n > 1."""
+        n, out = self.n, []
+        for p, part in enumerate(self.prompts):  # (the module's child_requests: the class is no scope)
+            rid = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{p}"
+            out += [c._replace(index=p * n + c.index) for c in child_requests(rid, part.ids, part.sampling)]
+        return out
 
 
 class Delta(NamedTuple):
@@ -56,20 +91,34 @@ class Delta(NamedTuple):
 
 
 class Generation:
-    """One request's run through the client: deltas out, metrics in, abort on early exit."""
+    """One choice's run through the client: deltas out, metrics in, abort on early exit."""
 
     def __init__(
-        self, client: Client, prep: Prepared, metrics: ServeMetrics, aborts: set, text: Any = None
+        self,
+        client: Client,
+        prep: Prepared,
+        metrics: ServeMetrics,
+        aborts: set,
+        child: ChildRequest,
+        updates: AsyncIterator[RequestUpdate],
+        text: Any = None,
     ) -> None:
-        """`text`: the request's text stream (`push(ids, final) -> delta`, `text`, `stopped`), e.g.
-        `ModelText.text_stream(prep.stop)`; default: the byte model's `TextStream`."""
+        """`child`: the choice's engine request (`Prepared.child_requests`: its index is the response's),
+        already submitted (`Client.generate_group`), whose updates `updates` are: the generation owns them
+        from here on (closing it ends the request, read or not). `text`: the choice's text stream
+        (`push(ids, final) -> delta`, `text`, `stopped`), e.g. `ModelText.text_stream(prep.stop)`;
+        default: the byte model's `TextStream`."""
         self._client = client
         self._prep = prep
         self._metrics = metrics
         self._aborts = aborts  # strong references to detached abort tasks
         self._t0 = time.perf_counter()
         self._last_token_t: float | None = None
-        self._updates = client.generate(prep.prompt_ids, prep.sampling, prep.request_id)
+        self.request_id = child.req_id  # the engine request's
+        self.prompt_ids = child.prompt_token_ids
+        self.index = child.index  # in the response: prompt_index * n + choice
+        self.choice = child.index % prep.n  # among its prompt's n choices
+        self._updates = updates
         self._first: RequestUpdate | None = None
         self._text = text if text is not None else TextStream(prep.stop)
         self._done = False  # the backend finished the request (nothing to abort)
@@ -100,7 +149,7 @@ class Generation:
                 if delta.finish_reason is not None:
                     return
                 update = await anext(self._updates, None)
-            raise EngineDead(f"request {self._prep.request_id}: updates ended before it finished")
+            raise EngineDead(f"request {self.request_id}: updates ended before it finished")
         finally:
             await self.close()
 
@@ -138,7 +187,7 @@ class Generation:
         return self._text.text
 
     def usage(self) -> Usage:
-        n_prompt, n_out = len(self._prep.prompt_ids), len(self.token_ids)
+        n_prompt, n_out = len(self.prompt_ids), len(self.token_ids)
         if self._prep.prompt_only:
             n_out = 0
         replayed = self.num_cached_tokens - self.replay_start if self.replay_start else 0
@@ -163,10 +212,10 @@ class Generation:
         def done(task: asyncio.Task) -> None:
             aborts.discard(task)
             if not task.cancelled() and task.exception() is not None:
-                logger.warning("abort of %s failed: %r", self._prep.request_id, task.exception())
+                logger.warning("abort of %s failed: %r", self.request_id, task.exception())
 
         loop = asyncio.get_running_loop()
-        task = loop.create_task(self._client.abort(self._prep.request_id), context=contextvars.Context())
+        task = loop.create_task(self._client.abort(self.request_id), context=contextvars.Context())
         aborts.add(task)
         task.add_done_callback(done)
 
@@ -181,7 +230,7 @@ class Generation:
             self._abort_detached()
         if self.finish_reason is not None:
             m.requests.labels(self._prep.endpoint, self.finish_reason).inc()
-            m.prompt_tokens.inc(len(self._prep.prompt_ids))
+            m.prompt_tokens.inc(len(self.prompt_ids))
             m.cached_tokens.inc(self.num_cached_tokens)
             m.e2e.observe(time.perf_counter() - self._t0)
         m.generation_tokens.inc(len(self.token_ids))
@@ -189,17 +238,101 @@ class Generation:
             await self._updates.aclose()
 
 
+def total_usage(gens: Sequence[Generation]) -> Usage:
+    """A request's usage over its choices: the completion tokens of every choice; the prompt tokens (and
+    their cached and replayed parts) of each prompt once, from its first choice (as vLLM counts them)."""
+    prompt = completion = cached = replayed = 0
+    for g in gens:
+        u = g.usage()
+        completion += u.completion_tokens
+        if g.choice == 0:
+            prompt += u.prompt_tokens
+            cached += u.prompt_tokens_details.cached_tokens
+            replayed += u.prompt_tokens_details.replayed_tokens
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached, replayed_tokens=replayed),
+    )
+
+
+async def close_all(gens: Sequence[Generation]) -> None:
+    """Closes every generation, even when closing one fails."""
+    error: BaseException | None = None
+    for g in gens:
+        try:
+            await g.close()
+        except BaseException as e:  # re-raised once the others are closed
+            error = error or e
+    if error is not None:
+        raise error
+
+
+_ENDED = object()  # a choice's deltas ended (merged_deltas)
+
+
+async def merged_deltas(gens: Sequence[Generation]) -> AsyncIterator[tuple[Generation, Delta]]:
+    """Every generation's deltas as they come, as (generation, delta): a choice's in order, the choices
+    interleaved. An error of one choice ends the whole (raised here); leaving early, or an error, closes
+    every generation (the unfinished ones are aborted).
+
+    One task per choice reads its deltas into a shared queue (a wait over every choice per delta would
+    cost O(choices) per token)."""
+    if len(gens) == 1:  # no task: the common case costs what it did before n > 1
+        (g,) = gens
+        deltas = g.deltas()
+        try:
+            async for d in deltas:
+                yield g, d
+        finally:
+            try:
+                await deltas.aclose()
+            finally:
+                await g.close()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(g: Generation) -> None:
+        try:
+            async for d in g.deltas():
+                queue.put_nowait((g, d))
+        except Exception as e:  # handed to the reader, which raises it
+            queue.put_nowait((g, e))
+        else:
+            queue.put_nowait((g, _ENDED))
+
+    tasks = [asyncio.create_task(pump(g)) for g in gens]
+    try:
+        live = len(tasks)
+        while live:
+            g, item = await queue.get()
+            if item is _ENDED:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield g, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        try:
+            await close_all(gens)  # abort now: the wait for the cancelled tasks may itself be cut
+        finally:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class EventStream:
     """The server-sent events of one streamed request.
 
-    `aclose()` ends the request even when iteration never began (a client that went away before the
-    first chunk) or stopped at a `yield` (cancelled while a chunk was being sent), the two cases where
-    closing the event generator alone would not reach the request.
+    `aclose()` ends every choice of the request even when iteration never began (a client that went
+    away before the first chunk) or stopped at a `yield` (cancelled while a chunk was being sent), the
+    two cases where closing the event generator alone would not reach the engine requests.
     """
 
-    def __init__(self, events: AsyncIterator[str], generation: Generation) -> None:
+    def __init__(self, events: AsyncIterator[str], generations: Sequence[Generation]) -> None:
         self._events = events
-        self._generation = generation
+        self._generations = list(generations)
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._events
@@ -208,4 +341,4 @@ class EventStream:
         try:
             await self._events.aclose()
         finally:
-            await self._generation.close()
+            await close_all(self._generations)

@@ -5,8 +5,8 @@ Unknown request fields are ignored, as vLLM ignores them (OpenAI's SDKs send fie
 logs one warning per request naming them. Fields whose JSON type is a union (`prompt`, `stop`, message
 `content`, `tool_choice`) are checked by our own validators, so that a validation error's location is
 always the field's own name (`prompt`, `messages[0].role`) and never a pydantic union tag. Parameters
-raystate does not implement (`_NEUTRAL_ONLY`: `n`, `best_of`, `suffix`, `tools`, ...)
-are accepted only at their neutral value, so a client that relies on them gets a 400 naming the field
+raystate does not implement (`_NEUTRAL_ONLY`: `suffix`, `tools`, ...) are accepted only at their
+neutral value (and `best_of` only equal to `n`), so a client that relies on them gets a 400 naming the field
 instead of a quietly different answer.
 
 Every bad input must be a 400 naming the field, never a 500, and nothing a client sends may reach the
@@ -26,6 +26,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from raystate.messages import MAX_N
 
 # -- limits ---------------------------------------------------------------------------------------------
 # The body as a whole is capped by the ingress (max_body_bytes, 1 MiB by default); these bound what one
@@ -53,6 +55,9 @@ MAX_PARAM_PART_CHARS = 64  # a client-made name (an unknown field) in an error's
 MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs entries
 MAX_DETOKENIZE_IDS = 1 << 17  # /detokenize ids (the body cap bounds them first)
 MAX_LOGPROBS = 20  # completions `logprobs`, chat `top_logprobs` (OpenAI's limit)
+# Choices of one request, all prompts together (n × the prompts of a completions prompt list): one
+# request cannot flood the queue. n itself is at most MAX_N (raystate.messages).
+MAX_CHOICES = 1024
 # Variables the chat template renderer sets itself: not settable through chat_template_kwargs.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template",
@@ -261,16 +266,10 @@ def _unset(v: Any) -> bool:
     return not v  # None, or the zero/false/empty value that means "off"
 
 
-def _one(v: Any) -> bool:
-    return v in (None, 1)
-
-
 # Parameters raystate does not implement, accepted only at their neutral value: field -> (whether a value
 # is neutral, the 400's message). One table for both endpoints (a field absent from a request's model is
 # never checked); `_neutral_only` checks the value after pydantic has checked its type.
 _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (_one, "only n=1 is supported"),
-    "best_of": (_one, "only best_of=1 is supported"),
     "suffix": (_unset, "suffix is not supported"),
     "tools": (_unset, "tools are not supported"),
     # Typed Any, so pydantic's check (on a `str | dict` union it would name the union's members) never runs.
@@ -326,7 +325,7 @@ class _SamplingFields(_Request):
     stop: list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=MAX_N)  # choices (per prompt); None: 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     # token id (a JSON string key) -> bias; ranges checked by SamplingParams.validate, naming the field
@@ -369,20 +368,27 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
+    @property
+    def num_choices(self) -> int:
+        """`n`, None read as 1."""
+        return self.n or 1
+
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. `prompt` is one text or one list of token ids (optionally wrapped in a list)."""
+    """POST /v1/completions. `prompt` is one text or one list of token ids, or a list of several texts or
+    of several token id lists (a batch: n choices of each, indexed prompt_index * n + choice_index, as
+    OpenAI does). A batch of one is that one prompt."""
 
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)  # 0 only with echo (the server checks): the prompt alone
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1)  # only equal to n (no ranking of extra candidates)
     suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, v: Any) -> str | list[int]:
+    def _prompt(cls, v: Any) -> str | list[int] | list[str] | list[list[int]]:
         if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
             v = v[0]  # a batch of one
         if isinstance(v, str):
@@ -390,8 +396,36 @@ class CompletionRequest(_SamplingFields):
         if isinstance(v, list) and v and all(_is_int(t) for t in v):
             return v
         if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
-            raise ValueError("one prompt per request (batches of prompts are not supported)")
-        raise ValueError("must be a string or a non-empty list of token ids")
+            if len(v) > MAX_CHOICES:
+                raise ValueError(f"at most {MAX_CHOICES} prompts, got {len(v)}")
+            if all(isinstance(p, str) for p in v):
+                return v
+            for i, p in enumerate(v):
+                if not (isinstance(p, list) and p and all(_is_int(t) for t in p)):
+                    raise ValueError(
+                        f"a batch of prompts is all texts or all token id lists (prompt {i} is not a "
+                        "non-empty list of token ids)"
+                    )
+            return v
+        raise ValueError("must be a string or a non-empty list of token ids, or a list of either")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if v is not None and v != n:
+            if v > n:
+                raise ValueError(f"best_of > n is not supported (best_of must equal n={n} when set)")
+            raise ValueError(f"must be at least n={n}")
+        return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or more."""
+        p = self.prompt
+        if isinstance(p, str) or _is_int(p[0]):
+            return [p]
+        return list(p)
 
 
 class ChatMessage(_Request):

@@ -5,6 +5,13 @@ the same server runs over the Ray backend in a Serve replica, over `InProcessCli
 other front end. It turns OpenAI requests into token ids and `SamplingParams`, streams `RequestUpdate`s
 back as text, and records latency metrics.
 
+A request of n choices (and a completions prompt list) runs as one engine request per choice, all
+submitted in one `Client.generate_group` call (the later choices of a prompt are forked from its first);
+choice i of prompt p has index p * n + i. A streamed response interleaves the choices' chunks as their
+tokens come (`merged_deltas`), each chunk one choice, each choice ending with its own finish_reason, then
+one usage chunk if asked for and one `data: [DONE]`; usage counts each prompt once and every choice's
+output.
+
 Every request is validated before anything is queued: field errors raise `InvalidRequest` named after the
 OpenAI field (`prompt`, `messages[0].role`, `max_tokens`), never after an internal one. A request whose
 consumer goes away (a disconnected stream, a matched stop string) is aborted at once, so its KV blocks go
@@ -28,9 +35,18 @@ from raystate.client import Client
 from raystate.errors import EngineDead, InvalidRequest, RequestFailed
 from raystate.grammar import check_schema
 from raystate.messages import MAX_JSON_SCHEMA_CHARS, SamplingParams, unpack_logprobs
-from raystate.serve.generation import EventStream, Generation, Prepared
+from raystate.serve.generation import (
+    EventStream,
+    Generation,
+    Prepared,
+    PromptPart,
+    close_all,
+    merged_deltas,
+    total_usage,
+)
 from raystate.serve.metrics import ServeMetrics
 from raystate.serve.protocol import (
+    MAX_CHOICES,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -100,13 +116,13 @@ def _stream_error(exc: BaseException) -> str:
 @dataclass(frozen=True)
 class _Shape:
     """How one endpoint words its answer: the response and chunk models, and a choice of each from
-    (text, finish_reason, token_ids, logprobs). The two endpoints differ in nothing else."""
+    (index, text, finish_reason, token_ids, logprobs). The two endpoints differ in nothing else."""
 
     response: type[BaseModel]
     chunk: type[BaseModel]
-    choice: Callable[[str, str | None, list[int] | None, Any], BaseModel]
-    delta: Callable[[str, str | None, list[int] | None, Any], BaseModel]
-    opening: Callable[[], BaseModel] | None = None  # a stream's first choice, before any token
+    choice: Callable[[int, str, str | None, list[int] | None, Any], BaseModel]
+    delta: Callable[[int, str, str | None, list[int] | None, Any], BaseModel]
+    opening: Callable[[int], BaseModel] | None = None  # a stream's first choice i, before any token
 
 
 def _structured(fmt: ResponseFormat | None) -> dict[str, Any]:
@@ -142,9 +158,13 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def _completion_choice(
-    text: str, reason: str | None, ids: list[int] | None, logprobs: CompletionLogprobs | None = None
+    index: int,
+    text: str,
+    reason: str | None,
+    ids: list[int] | None,
+    logprobs: CompletionLogprobs | None = None,
 ) -> CompletionChoice:
-    return CompletionChoice(text=text, finish_reason=reason, token_ids=ids, logprobs=logprobs)
+    return CompletionChoice(index=index, text=text, finish_reason=reason, token_ids=ids, logprobs=logprobs)
 
 
 def _logprob_rows(blob: bytes) -> list[tuple[list[int], list[float]]]:
@@ -159,13 +179,17 @@ _COMPLETIONS = _Shape(
 _CHAT = _Shape(
     ChatCompletionResponse,
     ChatCompletionChunk,
-    choice=lambda text, reason, ids, logprobs=None: ChatChoice(
-        message=AssistantMessage(content=text), finish_reason=reason, token_ids=ids, logprobs=logprobs
+    choice=lambda index, text, reason, ids, logprobs=None: ChatChoice(
+        index=index,
+        message=AssistantMessage(content=text),
+        finish_reason=reason,
+        token_ids=ids,
+        logprobs=logprobs,
     ),
-    delta=lambda text, reason, ids, logprobs=None: ChatChunkChoice(
-        delta=ChatDelta(content=text), finish_reason=reason, token_ids=ids, logprobs=logprobs
+    delta=lambda index, text, reason, ids, logprobs=None: ChatChunkChoice(
+        index=index, delta=ChatDelta(content=text), finish_reason=reason, token_ids=ids, logprobs=logprobs
     ),
-    opening=lambda: ChatChunkChoice(delta=ChatDelta(role="assistant", content="")),
+    opening=lambda index: ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")),
 )
 
 
@@ -282,6 +306,7 @@ class RaystateServer:
             **_structured(req.response_format),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            n=req.num_choices,
         )
         params.validate(self.vocab_size)
         if n_prompt + params.max_tokens > self.max_model_len:
@@ -292,41 +317,49 @@ class RaystateServer:
 
     def _prepare_completion(self, req: CompletionRequest) -> Prepared:
         self._check_model(req.model)
-        if isinstance(req.prompt, str):
-            ids = self._encode(req.prompt, "prompt")
-        else:
-            ids = list(req.prompt)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequest("prompt", f"token ids in [0, {self.vocab_size})", bad[0])
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(
-                "prompt", f"shorter than max_model_len={self.max_model_len} tokens", len(ids)
-            )
+        prompts, n = req.prompts, req.num_choices
+        if n * len(prompts) > MAX_CHOICES:  # before any prompt is encoded
+            p = len(prompts)
+            limit = f"at most {MAX_CHOICES // p} with {p} prompts (at most {MAX_CHOICES} choices in all)"
+            raise InvalidRequest("n", limit, n)
         # max_tokens 0 with echo: the prompt (and its logprobs) alone, lm-eval's loglikelihood call. The
         # engine runs one token, which is dropped.
         prompt_only = req.max_tokens == 0
         if prompt_only and not req.echo:
             raise InvalidRequest("max_tokens", "at least 1 (0 only with echo: the prompt alone)", 0)
-        echo_text = None
-        if req.echo:
-            echo_text = req.prompt if isinstance(req.prompt, str) else self.text.decode(ids)
         k = req.logprobs
-        return Prepared(
-            request_id=f"cmpl-{uuid.uuid4().hex}",
-            endpoint="completions",
-            prompt_ids=ids,
-            sampling=self._sampling(
+        parts = []
+        for i, prompt in enumerate(prompts):
+            name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                ids = self._encode(prompt, name)
+            else:
+                ids = list(prompt)
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise InvalidRequest(name, f"token ids in [0, {self.vocab_size})", bad[0])
+            if len(ids) >= self.max_model_len:
+                raise InvalidRequest(
+                    name, f"shorter than max_model_len={self.max_model_len} tokens", len(ids)
+                )
+            echo_text = None
+            if req.echo:
+                echo_text = prompt if isinstance(prompt, str) else self.text.decode(ids)
+            sampling = self._sampling(
                 req,
                 1 if prompt_only else req.max_tokens,
                 len(ids),
                 logprobs=k,
                 prompt_logprobs=k if req.echo else None,
-            ),
+            )
+            parts.append(PromptPart(ids, sampling, echo_text))
+        return Prepared(
+            request_id=f"cmpl-{uuid.uuid4().hex}",
+            endpoint="completions",
+            prompts=parts,
             stop=req.stop,
             return_token_ids=bool(req.return_token_ids),
             include_usage=req.include_usage,
-            echo_text=echo_text,
             prompt_only=prompt_only,
         )
 
@@ -355,25 +388,47 @@ class RaystateServer:
         return Prepared(
             request_id=f"chatcmpl-{uuid.uuid4().hex}",
             endpoint="chat",
-            prompt_ids=ids,
-            sampling=sampling,
+            prompts=[PromptPart(ids, sampling)],
             stop=req.stop,
             return_token_ids=bool(req.return_token_ids),
             include_usage=req.include_usage,
         )
 
-    async def _start(self, prep: Prepared) -> Generation:
-        gen = Generation(self.client, prep, self.metrics, self._aborts, self.text.text_stream(prep.stop))
-        try:
-            async with self._until_cut():  # a request still queued at the drain's cut is cut too
-                await gen.start()
-        except InvalidRequest as e:  # the backend's own checks, renamed to the OpenAI field
-            if e.field == "prompt_token_ids":
-                raise InvalidRequest(
-                    "prompt" if prep.endpoint == "completions" else "messages", e.limit, e.got
-                ) from None
-            raise
-        return gen
+    async def _start(self, prep: Prepared) -> list[Generation]:
+        """Submits every choice of every prompt in one `generate_group` call (so that a prompt's later
+        choices are forked from its first) and waits for each one's first update, so that a request the
+        backend refuses fails before any response. The generations, in index order."""
+        children = prep.child_requests()
+        async with self._until_cut():  # a request still queued at the drain's cut is cut too
+            try:
+                streams = await self.client.generate_group(children)
+            except InvalidRequest as e:  # the backend's own checks, renamed to the OpenAI field
+                if e.field == "prompt_token_ids":
+                    raise InvalidRequest(
+                        "prompt" if prep.endpoint == "completions" else "messages", e.limit, e.got
+                    ) from None
+                raise
+            gens = [
+                Generation(
+                    self.client, prep, self.metrics, self._aborts, c, u, self.text.text_stream(prep.stop)
+                )
+                for c, u in zip(children, streams, strict=True)
+            ]
+            if len(gens) == 1:
+                await gens[0].start()  # closes it on failure
+                return gens
+            starts = [asyncio.ensure_future(g.start()) for g in gens]
+            try:
+                await asyncio.gather(*starts)
+            except BaseException:
+                for t in starts:
+                    t.cancel()
+                try:
+                    await close_all(gens)  # also those whose start never ran: their requests are aborted
+                finally:
+                    await asyncio.gather(*starts, return_exceptions=True)
+                raise
+        return gens
 
     # -- endpoints ------------------------------------------------------------------------------------
 
@@ -385,64 +440,91 @@ class RaystateServer:
 
     async def _respond(self, prep: Prepared, stream: bool | None, shape: _Shape) -> BaseModel | EventStream:
         """Starts the request, then answers with the whole response or with its event stream."""
-        gen = await self._start(prep)
+        gens = await self._start(prep)
         if stream:
-            return EventStream(self._cuttable(self._stream(gen, prep, shape)), gen)
-        await self._run_to_end(gen)
-        text, reason, out_ids = gen.text, gen.finish_reason, gen.token_ids
-        if prep.prompt_only:
-            text, reason, out_ids = "", "length", []
-        if prep.echo_text is not None:
-            text = prep.echo_text + text
-        logprobs = None
-        if prep.sampling.logprobs is not None:
-            logprobs, _ = self._logprobs(prep, out_ids, bytes(gen.logprobs), gen.prompt_logprobs, True, 0)
-        choice = shape.choice(text, reason, gen.token_ids if prep.return_token_ids else None, logprobs)
+            return EventStream(self._cuttable(self._stream(gens, prep, shape)), gens)
+        try:
+            await self._run_to_end(gens)
+        finally:
+            await close_all(gens)  # (merged_deltas closed them already; this covers a cut before it ran)
+        choices = []
+        for gen in gens:  # in index order
+            text, reason, out_ids = gen.text, gen.finish_reason, gen.token_ids
+            if prep.prompt_only:
+                text, reason, out_ids = "", "length", []
+            echo = self._echo_text(prep, gen)
+            if echo is not None:
+                text = echo + text
+            logprobs = None
+            if prep.sampling.logprobs is not None:
+                logprobs, _ = self._logprobs(
+                    prep, gen, out_ids, bytes(gen.logprobs), gen.prompt_logprobs, True, 0
+                )
+            ids = gen.token_ids if prep.return_token_ids else None
+            choices.append(shape.choice(gen.index, text, reason, ids, logprobs))
         return shape.response(
             id=prep.request_id,
             created=prep.created,
             model=self.model_name,
-            choices=[choice],
-            usage=gen.usage(),
+            choices=choices,
+            usage=total_usage(gens),
         )
 
-    async def _stream(self, gen: Generation, prep: Prepared, shape: _Shape) -> AsyncIterator[str]:
+    @staticmethod
+    def _echo_text(prep: Prepared, gen: Generation) -> str | None:
+        """The echoed prompt text of the choice's prompt (None: no echo)."""
+        return prep.prompts[gen.index // prep.n].echo_text
+
+    async def _stream(self, gens: list[Generation], prep: Prepared, shape: _Shape) -> AsyncIterator[str]:
         head = dict(id=prep.request_id, created=prep.created, model=self.model_name)
         try:
             if shape.opening is not None:
-                yield _sse(shape.chunk(**head, choices=[shape.opening()]), False)
-            first, offset = True, 0
-            async for d in gen.deltas():
-                text, reason, out_ids = d.text, d.finish_reason, d.token_ids
-                if prep.prompt_only:
-                    text, reason, out_ids = "", "length" if reason else None, []
-                if first and prep.echo_text is not None:
-                    text = prep.echo_text + text
-                logprobs = None
-                if prep.sampling.logprobs is not None:
-                    logprobs, offset = self._logprobs(
-                        prep, out_ids, d.logprobs, d.prompt_logprobs, first, offset
-                    )
-                first = False
-                choice = shape.delta(text, reason, d.token_ids, logprobs)
-                yield _sse(shape.chunk(**head, choices=[choice]), prep.return_token_ids)
+                for gen in gens:
+                    yield _sse(shape.chunk(**head, choices=[shape.opening(gen.index)]), False)
+            offsets: dict[int, int] = {}  # per choice index: text offset after its chunks so far (logprobs)
+            async with contextlib.aclosing(merged_deltas(gens)) as deltas:
+                async for gen, d in deltas:
+                    text, reason, out_ids = d.text, d.finish_reason, d.token_ids
+                    if prep.prompt_only:
+                        text, reason, out_ids = "", "length" if reason else None, []
+                    first = gen.index not in offsets
+                    echo = self._echo_text(prep, gen) if first else None
+                    if echo is not None:
+                        text = echo + text
+                    logprobs = None
+                    offset = offsets.get(gen.index, 0)
+                    if prep.sampling.logprobs is not None:
+                        logprobs, offset = self._logprobs(
+                            prep, gen, out_ids, d.logprobs, d.prompt_logprobs, first, offset
+                        )
+                    offsets[gen.index] = offset
+                    choice = shape.delta(gen.index, text, reason, d.token_ids, logprobs)
+                    yield _sse(shape.chunk(**head, choices=[choice]), prep.return_token_ids)
         except Exception as e:  # the headers are sent: an error event, never a cut connection
             yield _stream_error(e)
             yield SSE_DONE  # as vLLM does: a client reading to [DONE] is never left waiting
             return
         if prep.include_usage:
-            yield _sse(shape.chunk(**head, choices=[], usage=gen.usage()), False)
+            yield _sse(shape.chunk(**head, choices=[], usage=total_usage(gens)), False)
         yield SSE_DONE
 
     def _token_text(self, token_id: int) -> str:
         return self.text.decode([token_id], skip_special_tokens=False)
 
     def _logprobs(
-        self, prep: Prepared, ids: list[int], blob: bytes, prompt_blob: bytes, first: bool, offset: int
+        self,
+        prep: Prepared,
+        gen: Generation,
+        ids: list[int],
+        blob: bytes,
+        prompt_blob: bytes,
+        first: bool,
+        offset: int,
     ) -> tuple[BaseModel, int]:
-        """The endpoint's logprobs object for output tokens `ids` (records `blob`), with, for an echoed
-        completion's first chunk, the prompt's tokens first (records `prompt_blob`; the first token has
-        none); and the text offset after them (completions' text_offset runs on across chunks)."""
+        """The endpoint's logprobs object for choice `gen`'s output tokens `ids` (records `blob`), with,
+        for an echoed completion's first chunk, the prompt's tokens first (records `prompt_blob`; the
+        first token has none); and the text offset after them (completions' text_offset runs on across
+        chunks)."""
         rows = _logprob_rows(blob)
         if prep.endpoint == "chat":
             content = []
@@ -459,8 +541,8 @@ class RaystateServer:
                 )
             return ChatLogprobs(content=content), offset
         entries: list[tuple[int, tuple[list[int], list[float]] | None]] = []
-        if first and prep.echo_text is not None:
-            prompt = prep.prompt_ids
+        if first and self._echo_text(prep, gen) is not None:
+            prompt = gen.prompt_ids
             entries.append((prompt[0], None))
             entries += zip(prompt[1:], _logprob_rows(prompt_blob), strict=False)
         entries += zip(ids, rows, strict=False)
@@ -613,10 +695,10 @@ class RaystateServer:
                 raise
             raise ServerShuttingDown(self._cut_message("request")) from None
 
-    async def _run_to_end(self, gen: Generation) -> None:
-        """Consumes a generation that is not streamed, up to the drain's cut."""
-        async with self._until_cut():
-            async for _ in gen.deltas():
+    async def _run_to_end(self, gens: list[Generation]) -> None:
+        """Consumes the generations of a request that is not streamed, up to the drain's cut."""
+        async with self._until_cut(), contextlib.aclosing(merged_deltas(gens)) as deltas:
+            async for _ in deltas:
                 pass
 
     async def _cuttable(self, events: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -209,6 +209,9 @@ class _FailingClient:
             yield RequestUpdate(request_id, [65], False, None, 0, 0)
         raise self._exc
 
+    async def generate_group(self, requests):
+        return [self.generate(r.prompt_token_ids, r.sampling, r.req_id) for r in requests]
+
     async def abort(self, request_id: str) -> None:
         pass
 

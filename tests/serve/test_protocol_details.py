@@ -85,7 +85,7 @@ def test_request_without_unknown_fields_logs_no_warning(app, caplog):
 @pytest.mark.parametrize(
     ("path", "change", "param"),
     [
-        ("/v1/completions", {"n": 2}, "n"),
+        ("/v1/completions", {"n": 0}, "n"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
         ("/v1/completions", {"logprobs": 21}, "logprobs"),  # supported, up to 20
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

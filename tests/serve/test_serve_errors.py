@@ -26,7 +26,7 @@ BAD_COMPLETIONS = [
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -3}, "top_k"),
     ({"seed": -1}, "seed"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"stop": 7}, "stop"),
     ({"stop": [""]}, "stop"),
     ({"stream": "sometimes"}, "stream"),
@@ -37,7 +37,7 @@ BAD_COMPLETIONS = [
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, 2, 999]}, "prompt"),
     ({"prompt": [1, "two"]}, "prompt"),
-    ({"prompt": ["one", "two"]}, "prompt"),
+    ({"prompt": ["one", [1, 2]]}, "prompt"),
     ({"prompt": 12}, "prompt"),
     ({"prompt": "x" * 3000}, "prompt"),  # longer than max_model_len
 ]
@@ -95,7 +95,7 @@ def test_openai_client_sees_the_param(open_app):
         client.completions.create(model="tiny", prompt="D1", max_tokens=4, top_p=7.0)
     assert e.value.param == "top_p"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3)
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=129)
     assert e.value.param == "n"
 
 

@@ -55,6 +55,9 @@ class FakeClient(Client):
             last = i == sampling.max_tokens - 1
             yield RequestUpdate(request_id, [97 + i % 26], last, "length" if last else None, 0, 0)
 
+    async def generate_group(self, requests):
+        return [self.generate(r.prompt_token_ids, r.sampling, r.req_id) for r in requests]
+
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
