@@ -10,10 +10,19 @@ import sys
 import numpy as np
 import pytest
 import ray
-from ray_harness import TEST_OPTIONS, collect, distinct_prompts, engine_config, greedy, inprocess_outputs
+from ray_harness import (
+    TEST_OPTIONS,
+    collect,
+    distinct_prompts,
+    engine_config,
+    greedy,
+    inprocess_outputs,
+    llm_kwargs,
+)
 
-from raystate import InvalidRequest
+from raystate import LLM, InvalidRequest, SamplingParams
 from raystate.cluster import Cluster
+from raystate.fanout import child_requests
 
 NAME = "test-cluster"
 
@@ -175,4 +184,25 @@ def test_requests_follow_their_cached_prefix_while_distinct_ones_spread(cluster)
     assert sorted(np.bincount(flood_shards, minlength=2)) == [4, 4]  # least loaded wins without hits
     assert follower_shards == [owner_shard, owner_shard]
     assert [(u.num_cached_tokens, u.replay_start) for u in follower_last] == [(320, 288)] * 2
+    _idle(cluster)
+
+
+def test_generate_group_forks_a_prompts_choices_on_its_shard(cluster):
+    """n = 3 choices submitted as one group: the later two are forked from the first on its shard (two
+    shards here: a fork needs them on one) and each equals its seed's in-process choice."""
+    prompt = distinct_prompts(seed=9, num=1, low=100, high=101)[0]
+    params = SamplingParams(n=3, max_tokens=5, temperature=0.9, seed=3, ignore_eos=True)
+    children = child_requests("fork-group", prompt, params)
+    before = asyncio.run(cluster.status())["forked_tokens"]
+
+    async def run():
+        streams = await cluster.generate_group(children)
+        return [[t async for u in s for t in u.new_token_ids] for s in streams]
+
+    outs = asyncio.run(run())
+    assert asyncio.run(cluster.status())["forked_tokens"] - before == 2 * (99 // 16 * 16)
+    (want,) = LLM(backend="inprocess", **llm_kwargs()).generate(
+        prompt_token_ids=prompt, sampling_params=params, use_tqdm=False
+    )
+    assert outs == [o.token_ids for o in want.outputs]
     _idle(cluster)
