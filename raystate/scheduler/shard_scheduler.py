@@ -38,6 +38,7 @@ from raystate.scheduler.kv_manager import KVManager
 from raystate.scheduler.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
+PROMPT_LOGITS_BYTES = 128 << 20
 _num_scheduled = attrgetter("num_scheduled")
 _by_arrival = attrgetter("arrival")
 _FINISHED = {
@@ -70,6 +71,9 @@ class ShardScheduler:
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.chunk_limit = sched.long_prefill_token_threshold or sched.max_num_batched_tokens
+        # A request with prompt logprobs needs fp32 logits for every prompt position of its chunk: its
+        # chunks are cut so those stay within PROMPT_LOGITS_BYTES (128 positions at a 262k vocabulary).
+        self.prompt_logprobs_chunk = max(16, PROMPT_LOGITS_BYTES // (4 * config.model.vocab_size))
         self.vocab_size = config.model.vocab_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival: the tail is preempted first
@@ -158,6 +162,8 @@ class ShardScheduler:
             if req.status is not _RUNNING:
                 continue
             n = min(req.num_tokens - req.num_computed, budget, self.chunk_limit)
+            if req.sampling.prompt_logprobs is not None:
+                n = min(n, self.prompt_logprobs_chunk)
             if not kv.allocate(req, n):
                 ok = self._preempt_for(req, n, rows)
                 budget = self._budget_left(rows)
@@ -266,7 +272,10 @@ class ShardScheduler:
         donors: dict = {}  # this step's replayed hits (KVManager.admit_chunk)
         while waiting and budget > 0 and len(running) < max_num_seqs:
             req = waiting[0]
-            n = admit_chunk(req, budget if budget < chunk_limit else chunk_limit, donors)
+            limit = budget if budget < chunk_limit else chunk_limit
+            if req.sampling.prompt_logprobs is not None and limit > self.prompt_logprobs_chunk:
+                limit = self.prompt_logprobs_chunk
+            n = admit_chunk(req, limit, donors)
             if not n:  # blocks are short: the admission was taken back
                 break
             waiting.popleft()

@@ -180,3 +180,39 @@ def test_prompt_logprobs_survive_preemption():
         assert len(out.prompt_logprobs) == len(prompt)
         for i in range(1, len(prompt)):
             assert abs(out.prompt_logprobs[i][prompt[i]].logprob - lp[i - 1, prompt[i]].item()) < 1e-5
+
+
+def test_prompt_logprobs_chunks_are_cut_to_the_logits_budget(monkeypatch):
+    """A request with prompt logprobs takes chunks of at most PROMPT_LOGITS_BYTES of fp32 logits (here
+    cut to 16 positions of the tiny vocabulary), and its records stay exact; other requests keep the
+    whole token budget."""
+    from raystate.scheduler import shard_scheduler
+
+    vocab = 259
+    monkeypatch.setattr(shard_scheduler, "PROMPT_LOGITS_BYTES", 16 * 4 * vocab)
+    llm = _llm(max_num_batched_tokens=2048)
+    sched = llm.engine.scheduler.shards[0]
+    assert sched.prompt_logprobs_chunk == 16
+    chunks: list[int] = []
+    schedule = sched.schedule
+
+    def spy(step_id, lookahead=False):
+        msg = schedule(step_id, lookahead)
+        if msg is not None:
+            chunks.extend(r.num_scheduled for r in msg.new_requests)
+            chunks.extend(d.num_scheduled for d in msg.running)
+        return msg
+
+    monkeypatch.setattr(sched, "schedule", spy)
+    prompt = np.random.default_rng(8).integers(0, 256, 70).tolist()
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=2)
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=sp, use_tqdm=False)[0]
+    assert chunks == [16, 16, 16, 16, 6]
+    lp = torch.log_softmax(dense_forward(llm.engine.worker.model, prompt).double(), -1)
+    for i in range(1, len(prompt)):
+        assert abs(out.prompt_logprobs[i][prompt[i]].logprob - lp[i - 1, prompt[i]].item()) < 1e-5
+    chunks.clear()
+    llm.generate(
+        prompt_token_ids=[prompt[::-1]], sampling_params=SamplingParams(max_tokens=1), use_tqdm=False
+    )
+    assert chunks == [70]
