@@ -220,6 +220,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     local = args.address is None
+    direct = local if args.direct_http is None else args.direct_http
     if local and api_key:
         # The local Ray's processes inherit this environment: the key reaches the replica without being
         # written into the application's stored arguments, and a replica without it refuses to start.
@@ -235,6 +236,8 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_hosts=_words(args.allowed_host),
         cors_allow_origins=_words(args.cors_origin),
         shutdown_grace_s=args.shutdown_grace_s,
+        direct_http_port=args.port if direct else None,
+        direct_http_host=args.host,
         **({"cors_allow_methods": _words(args.cors_method)} if args.cors_method else {}),
         **({"cors_allow_headers": _words(args.cors_header)} if args.cors_header else {}),
     )
@@ -252,7 +255,10 @@ def _serve(args: argparse.Namespace) -> int:
     rc = 0
     try:
         notice = _start_drain_notice(args.name)  # before the replicas start: they look it up
-        serve.start(http_options={"host": args.host, "port": args.port})
+        if direct:  # the replicas listen on the port themselves; Serve's proxy would only compete for it
+            serve.start(proxy_location="Disabled")
+        else:
+            serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name=args.name, route_prefix="/", blocking=False)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         url = f"http://{host}:{args.port}"
@@ -264,8 +270,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"raystate: OpenAI API at {url}/v1  (health: {url}/health, metrics: {url}/metrics)")
         if args.host in ("0.0.0.0", "::"):
             print("raystate: listening on every interface" + ("" if api_key else " WITHOUT an API key"))
-        if not local:
+        if not local and not direct:
             print("raystate: note: the request header timeout is a setting of the cluster's proxies (README)")
+        if direct and not local:
+            print("raystate: note: direct HTTP: each node running a replica listens on the port (README)")
         print(f"raystate: try  {_curl_example(url, args.model, api_key)}")
         with _StopSignals() as signals:
             print("raystate: Ctrl-C stops the server", flush=True)
@@ -369,6 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the OpenAI API over Ray Serve (foreground; Ctrl-C stops)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument(
+        "--direct-http",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the ingress replica answers HTTP itself on --host/--port, without Serve's proxy "
+        "(raystate/serve/direct_http.py; default: on with a local Ray, off with --address)",
+    )
     s.add_argument("--num-shards", type=int, default=1, help="worker actors (one per GPU)")
     s.add_argument(
         "--api-key", help="require this bearer key on every route but /health (default: $RAYSTATE_API_KEY)"

@@ -92,6 +92,10 @@ class AppArgs(_EngineFields):
     # Serve's replica check (`check_alive`: a dead step loop fails it and the replica is replaced).
     health_check_period_s: float = Field(10.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
+    # Direct HTTP (raystate/serve/direct_http.py): each replica serves the API itself on this port (shared
+    # by the replicas of a node), without Serve's proxy; None: through Serve's proxy.
+    direct_http_port: int | None = Field(None, ge=1, le=65535)
+    direct_http_host: str = "127.0.0.1"
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**self.model_dump(include=set(_EngineFields.model_fields)))
@@ -210,6 +214,7 @@ class OpenAIIngress:
         require_api_key: bool,
         max_body_bytes: int,
         http_guards: dict[str, Any] | None = None,
+        direct_http: tuple[str, int] | None = None,
     ) -> None:
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         if require_api_key and not api_key:
@@ -222,6 +227,12 @@ class OpenAIIngress:
         self._api_key = api_key
         self._max_body_bytes = max_body_bytes
         self._http_guards = dict(http_guards or {})
+        self._direct = None
+        if direct_http is not None:  # this replica answers HTTP itself (direct_http.py)
+            from raystate.serve.direct_http import DirectHTTPServer
+
+            self._direct = DirectHTTPServer(self.__serve_build_asgi_app__(), *direct_http)
+            await self._direct.start()
         notice = _find_drain_notice()
         # Requests run on this event loop, so the drain (which reschedules their timeouts) must too.
         self._drain_task = None if notice is None else asyncio.create_task(self._follow_drain(*notice))
@@ -256,6 +267,9 @@ class OpenAIIngress:
         await self._server.client.check_alive()
 
     async def __del__(self) -> None:
+        direct = getattr(self, "_direct", None)
+        if direct is not None:
+            await direct.stop()
         server = getattr(self, "_server", None)  # None when __init__ failed
         if server is not None:
             await server.shutdown()
@@ -310,4 +324,5 @@ def make_app(args: dict[str, Any] | AppArgs | None = None, client_factory: Clien
         opts.require_api_key,
         opts.max_body_bytes,
         http_guards,
+        None if opts.direct_http_port is None else (opts.direct_http_host, opts.direct_http_port),
     )
