@@ -8,6 +8,8 @@
 # 3. The server stopped (SIGINT: its drain, then its Ray), then bench_serve.py --baseline-from: the same
 #    work through the engine in this process (engine streams, LLM.generate, in-process TTFT); the table
 #    with the ratios is in serve_gpu.log, every figure in serve_gpu.json.
+# MODES: the server runs once per mode, "direct-http" (the replica answers HTTP itself, raystate serve's
+# default) and "no-direct-http" (through Serve's proxy); the baselines compare the first mode's figures.
 # Knobs (environment): DUR (15), LEVELS ("64 256"), MIX (128,512,2048), SEQS (the server's max_num_seqs,
 # 256), PROCS (client processes, 4), PORT (8011), TTFT_N (30), GEN_AT_CONC (1: LLM.generate of the
 # 64 level on an engine capped at 64, one more engine start; 0: skip it), CEILING (1: last, the Serve
@@ -29,15 +31,17 @@ SEQS=${SEQS:-256}
 PROCS=${PROCS:-4}
 TTFT_N=${TTFT_N:-30}
 GEN_AT_CONC=${GEN_AT_CONC:-1}
+MODES=${MODES:-direct-http no-direct-http}  # raystate serve --direct-http (default), then through Serve's proxy
 ENGINE=(--model "${MODEL:-bench}" --device "${DEVICE:-cuda}" --max-num-seqs "$SEQS")
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
-echo "== serve: start"
+for mode in $MODES; do
+echo "== serve ($mode): start"
 launch=$(date +%s.%N)
-"$PY" -m raystate serve "${ENGINE[@]}" --port "$PORT" --verbose --shutdown-grace-s 5 \
-  >"$OUT/serve_server.log" 2>&1 &
+"$PY" -m raystate serve "${ENGINE[@]}" --port "$PORT" --verbose --shutdown-grace-s 5 "--$mode" \
+  >"$OUT/serve_server_$mode.log" 2>&1 &
 server=$!
-LAUNCH=$launch PORT=$PORT SERVER_PID=$server timeout 400 "$PY" - <<'PY' | tee "$OUT/serve_cold_start.json"
+LAUNCH=$launch PORT=$PORT SERVER_PID=$server timeout 400 "$PY" - <<'PY' | tee "$OUT/serve_cold_start_$mode.json"
 import json, os, time, urllib.request
 launch, url, pid = float(os.environ["LAUNCH"]), f"http://127.0.0.1:{os.environ['PORT']}", int(os.environ["SERVER_PID"])
 first_answer = None
@@ -61,7 +65,7 @@ PY
 # The worker's start-up phases: its "ready" log line does not reach a Ray worker's log (INFO is dropped
 # there), so they are read from the worker actor itself (Worker.startup_s, through __ray_call__); and the
 # server log's milestones as seconds after the launch.
-LAUNCH=$launch LOG="$OUT/serve_server.log" timeout 60 "$PY" - <<'PY' 2>/dev/null | tee "$OUT/serve_start_phases.json"
+LAUNCH=$launch LOG="$OUT/serve_server_$mode.log" timeout 60 "$PY" - <<'PY' 2>/dev/null | tee "$OUT/serve_start_phases_$mode.json"
 import datetime, json, os, re, ray
 launch, out = float(os.environ["LAUNCH"]), {"worker_phases_s": {}, "log_milestones_s": {}}
 marks = {"ray started": "Started a local Ray instance", "serve started": "Started Serve in namespace",
@@ -82,27 +86,29 @@ for i in range(8):
     out["worker_phases_s"][f"worker-{i}"] = {k: round(v, 2) for k, v in phases.items()}
 print(json.dumps(out))
 PY
-grep -h "raystate:\|Started a local Ray\|Adding 1 replica\|is ready at" "$OUT/serve_server.log" | cut -c1-160 | head -8
+grep -h "raystate:\|Started a local Ray\|Adding 1 replica\|is ready at" "$OUT/serve_server_$mode.log" | cut -c1-160 | head -8
 
-echo "== serve: load"
+echo "== serve ($mode): load"
 # shellcheck disable=SC2086
 timeout 330 "$PY" bench/bench_serve.py --url "http://127.0.0.1:$PORT" --no-baseline "${ENGINE[@]}" \
   --clients $LEVELS --duration "$DUR" --max-tokens 64 --prompt-mix "$MIX" --shared-prefixes 4 \
   --ttft-requests "$TTFT_N" --ttft-prompt-len 128 --ttft-max-tokens 64 --client-procs "$PROCS" \
-  --json "$OUT/serve_served.json" --plot "$OUT/serve_served.png" 2>&1 | grep -v "^load" | tee "$OUT/serve_load.log" | tail -45
-"$PY" -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$PORT/status').read().decode())" >"$OUT/serve_status.json" 2>&1
+  --json "$OUT/serve_served_$mode.json" --plot "$OUT/serve_served_$mode.png" 2>&1 | grep -v "^load" | tee "$OUT/serve_load_$mode.log" | tail -45
+"$PY" -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$PORT/status').read().decode())" >"$OUT/serve_status_$mode.json" 2>&1
 
-echo "== serve: stop"
+echo "== serve ($mode): stop"
 kill -INT "$server"
 for _ in $(seq 1 60); do kill -0 "$server" 2>/dev/null || break; sleep 0.5; done
 kill -0 "$server" 2>/dev/null && { echo "server still up: SIGKILL"; kill -KILL "$server"; }
 sleep 2
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=memory.used --format=csv,noheader
 
+done
+
 echo "== serve: baselines"
 gen=--generate-at-concurrency
 [ "$GEN_AT_CONC" = 1 ] || gen=--no-generate-at-concurrency
-timeout 330 "$PY" bench/bench_serve.py --baseline-from "$OUT/serve_served.json" $gen \
+timeout 330 "$PY" bench/bench_serve.py --baseline-from "$OUT/serve_served_${MODES%% *}.json" $gen \
   --json "$OUT/serve_gpu.json" --plot "$OUT/serve_gpu.png" 2>&1 | tee "$OUT/serve_gpu.log" | tail -60
 
 if [ "${CEILING:-1}" = 1 ]; then
