@@ -267,6 +267,8 @@ def _serve(args: argparse.Namespace) -> int:
             f"{args.num_shards} shard(s))"
         )
         print(f"raystate: {engine_config.kv_summary()}")
+        if args.backend == "ray":
+            _print_startup_phases(args.name)
         print(f"raystate: OpenAI API at {url}/v1  (health: {url}/health, metrics: {url}/metrics)")
         if args.host in ("0.0.0.0", "::"):
             print("raystate: listening on every interface" + ("" if api_key else " WITHOUT an API key"))
@@ -307,6 +309,24 @@ def _serve(args: argparse.Namespace) -> int:
                 ray.shutdown()
     print("raystate: stopped")
     return rc
+
+
+def _print_startup_phases(name: str) -> None:
+    """One line per shard: the seconds of each of its worker's start-up phases (the worker logs them as
+    they end, but a Ray worker's log reaches this terminal only with --verbose)."""
+    import ray
+
+    from raystate.launch import SCHEDULER_NAME
+
+    try:
+        scheduler = ray.get_actor(SCHEDULER_NAME, namespace=name)
+        workers = ray.get(scheduler.workers.remote(), timeout=30)
+        for shard, worker in sorted(workers.items()):
+            phases = ray.get(worker.startup_phases.remote(), timeout=30)
+            shown = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
+            print(f"raystate: shard {shard} start-up: {shown}")
+    except Exception as e:  # informational only: never stop the server for it
+        print(f"raystate: start-up phases unavailable ({type(e).__name__})")
 
 
 def _get_json(url: str, api_key: str | None) -> dict:

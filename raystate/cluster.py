@@ -25,7 +25,9 @@ are re-admitted on the restarted worker, or re-routed by the same rule when the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -49,8 +51,113 @@ from raystate.messages import (
     ids_to_bytes,
 )
 
+logger = logging.getLogger(__name__)
+
 # Receives a request's updates, or the EngineDead that ends them; called from the poll thread.
 Sink = Callable[[RequestUpdate | BaseException], None]
+
+
+class LoopSink:
+    """A `Sink` whose items are handled on an event loop: `on_loop(items)` runs there, in order.
+
+    The poll thread hands each event loop one callback per poll batch carrying the updates of every
+    `LoopSink` of that loop (one thread-safe hand-over and one wake-up per step, not one per request);
+    called as a plain sink (an error, say), it hands its one item over on its own."""
+
+    __slots__ = ("loop", "on_loop")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, on_loop: Callable[[list[RequestUpdate | BaseException]], None]
+    ) -> None:
+        self.loop = loop
+        self.on_loop = on_loop
+
+    def __call__(self, item: RequestUpdate | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.on_loop, [item])
+
+
+def _run_on_loop(batches: list[tuple[LoopSink, list[RequestUpdate]]]) -> None:
+    """On an event loop: one poll batch's updates, to each of that loop's sinks."""
+    for sink, items in batches:
+        try:
+            sink.on_loop(items)
+        except Exception:  # one sink's failure must not starve the others
+            logger.exception("delivering updates failed")
+
+
+class UpdateStream:
+    """One request's updates out of the queue its sink fills: an async iterator (what `generate_group`
+    returns), which also hands out, without waiting, what is already queued (`drain_nowait`).
+
+    Like an async generator over the queue: an error item ends it (raised as `wrap_error(item)`), and once
+    iteration began, its end (the last update, an error, a cancelled wait, `aclose`) calls
+    `on_end(finished)` once, finished telling whether the request's last update was handed out."""
+
+    __slots__ = ("_queue", "_on_end", "_wrap_error", "_started", "_finished", "_ended", "_error")
+
+    def __init__(
+        self,
+        queue: asyncio.Queue,
+        on_end: Callable[[bool], None],
+        wrap_error: Callable[[BaseException], BaseException],
+    ) -> None:
+        self._queue = queue
+        self._on_end = on_end
+        self._wrap_error = wrap_error
+        self._started = False
+        self._finished = False  # the last update was handed out
+        self._ended = False
+        self._error: BaseException | None = None  # an error item `drain_nowait` took out of the queue
+
+    def __aiter__(self) -> UpdateStream:
+        return self
+
+    async def __anext__(self) -> RequestUpdate:
+        if self._ended or self._finished:
+            self._end()
+            raise StopAsyncIteration
+        self._started = True
+        item = self._error
+        if item is None:
+            try:
+                item = await self._queue.get()
+            except BaseException:  # cancelled: the caller went away
+                self._end()
+                raise
+        if isinstance(item, BaseException):
+            self._end()
+            raise self._wrap_error(item) from item
+        self._finished = item.finished
+        return item
+
+    def drain_nowait(self) -> list[RequestUpdate]:
+        """The updates already queued, in order (up to the last one; empty when none is): what a reader
+        that fell behind merges into one. An error item stays for the next `__anext__` to raise."""
+        out: list[RequestUpdate] = []
+        queue = self._queue
+        if self._ended or self._finished or self._error is not None:
+            return out
+        while not queue.empty():
+            item = queue.get_nowait()
+            if isinstance(item, BaseException):
+                self._error = item
+                break
+            out.append(item)
+            if item.finished:
+                self._finished = True
+                break
+        if out:
+            self._started = True
+        return out
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            if self._started:
+                self._on_end(self._finished)
+
+    async def aclose(self) -> None:
+        self._end()
 
 
 def _engine_error(e: BaseException, what: str) -> BaseException:
@@ -184,28 +291,49 @@ class RayClient(Client):
             except Exception as e:
                 self._fail(_engine_error(e, "poll"))
                 return
-            for u in batch.updates:
-                with self._lock:
-                    sink = self._sinks.pop(u.req_id, None) if u.finished else self._sinks.get(u.req_id)
-                if sink is not None:
-                    try:
-                        sink(u)
-                    except RuntimeError:  # its event loop is closed: the caller is gone
-                        self._unregister([u.req_id])
+            if batch.updates:
+                self._dispatch(batch.updates)
             if batch.error is not None:
                 self._fail(EngineDead(batch.error))
                 return
+
+    def _dispatch(self, updates: list[RequestUpdate]) -> None:
+        """Hands one poll batch's updates to their sinks: the `LoopSink`s' grouped per event loop, one
+        `call_soon_threadsafe` per loop carrying them all; any other sink called per update."""
+        loops: dict[asyncio.AbstractEventLoop, dict[LoopSink, list[RequestUpdate]]] = {}
+        plain: list[tuple[Sink, RequestUpdate]] = []
+        sinks = self._sinks
+        with self._lock:  # once per batch
+            for u in updates:
+                sink = sinks.pop(u.req_id, None) if u.finished else sinks.get(u.req_id)
+                if sink is None:
+                    continue
+                if type(sink) is LoopSink:
+                    loops.setdefault(sink.loop, {}).setdefault(sink, []).append(u)
+                else:
+                    plain.append((sink, u))
+        for loop, by_sink in loops.items():
+            try:
+                loop.call_soon_threadsafe(_run_on_loop, list(by_sink.items()))
+            except RuntimeError:  # the event loop is closed: its callers are gone
+                self._unregister([u.req_id for items in by_sink.values() for u in items])
+        for sink, u in plain:
+            try:
+                sink(u)
+            except RuntimeError:  # its event loop is closed: the caller is gone
+                self._unregister([u.req_id])
 
     def _fail(self, error: BaseException) -> None:
         if not isinstance(error, EngineDead):
             error = EngineDead(f"poll failed: {error!r}")
         with self._lock:
             self._dead = error
-            sinks = list(self._sinks.values())
+            sinks = list({id(s): s for s in self._sinks.values()}.values())  # each sink once
             self._sinks.clear()
             self._poller = None
         for sink in sinks:
-            sink(error)
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: the caller is gone
+                sink(error)
 
     # -- the Client API ------------------------------------------------------------------------------------
 
@@ -224,31 +352,26 @@ class RayClient(Client):
         loop = asyncio.get_running_loop()
         queues = {r.req_id: asyncio.Queue() for r in requests}
 
-        def deliver(item) -> None:  # on the event loop: an update to its request, an error to all
-            if isinstance(item, BaseException):
-                for q in queues.values():
+        def deliver(items: list) -> None:  # on the event loop: an update to its request, an error to all
+            for item in items:
+                if isinstance(item, BaseException):
+                    for q in queues.values():
+                        q.put_nowait(item)
+                elif (q := queues.get(item.req_id)) is not None:
                     q.put_nowait(item)
-            elif (q := queues.get(item.req_id)) is not None:
-                q.put_nowait(item)
 
         await self.submit_async(
             [(r.req_id, list(r.prompt_token_ids), r.sampling, r.fork_of) for r in requests],
-            lambda item: loop.call_soon_threadsafe(deliver, item),
+            LoopSink(loop, deliver),
         )
         return [self._updates(rid, q) for rid, q in queues.items()]
 
-    async def _updates(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestUpdate]:
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise EngineDead(str(item)) from item
-                finished = item.finished
-                yield item
-        finally:
+    def _updates(self, rid: str, queue: asyncio.Queue) -> UpdateStream:
+        def on_end(finished: bool) -> None:
             if not finished:
                 self.abort_nowait([rid])  # the caller went away
+
+        return UpdateStream(queue, on_end, lambda e: EngineDead(str(e)))
 
     async def abort(self, request_id: str) -> None:
         await self._call(self._scheduler.abort.remote(request_id), "abort")
@@ -357,7 +480,7 @@ class Cluster(RayClient):
         try:
             await self.submit_async(
                 [(rid, list(prompt_token_ids), sampling or SamplingParams())],
-                lambda u: loop.call_soon_threadsafe(queue.put_nowait, u),
+                LoopSink(loop, lambda items: [queue.put_nowait(u) for u in items]),
             )
         except BaseException:
             self._pending.discard(rid)

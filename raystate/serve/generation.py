@@ -140,22 +140,63 @@ class Generation:
             raise
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """One delta per update (its text may be "" while a character or a stop string is incomplete)."""
+        """One delta per update, or per run of updates that queued up while the previous delta was being
+        sent (the server fell behind): merged into one (`_consume`), so a reader behind by k steps pays
+        for one chunk, not k. Its text may be "" while a character or a stop string is incomplete.
+
+        Merging needs an update iterator that hands out what is queued without waiting
+        (`drain_nowait`, as `raystate.cluster.UpdateStream`); over any other, one delta per update.
+        When the reader keeps up there is nothing queued: no wait, no timer, one `drain_nowait` call."""
+        drain = getattr(self._updates, "drain_nowait", None)
+        held: RequestUpdate | None = None  # a drained update left for the next delta (an error's)
         try:
             update = self._first
             while update is not None:
-                delta = self._consume(update)
+                batch = [update]
+                if drain is not None and not update.finished:
+                    for u in drain():
+                        if u.finish_reason == "error":  # a failed request's last update: alone, as ever
+                            held = u
+                        else:
+                            batch.append(u)
+                delta = self._consume(batch)
                 yield delta
                 if delta.finish_reason is not None:
                     return
-                update = await anext(self._updates, None)
+                if held is not None:
+                    update, held = held, None
+                else:
+                    update = await anext(self._updates, None)
             raise EngineDead(f"request {self.request_id}: updates ended before it finished")
         finally:
             await self.close()
 
-    def _consume(self, update: RequestUpdate) -> Delta:
+    def _consume(self, updates: list[RequestUpdate]) -> Delta:
+        """One update, or several of the request's in order (none but the first failed), as one delta:
+        their token ids and logprob records concatenated (records of one request have one size), the
+        prompt logprobs of the one that carries them, the finish of the last. Its text goes through the
+        text stream once, but with stop strings update by update, so that the updates after the one
+        that completes a stop string are dropped, as they would be unmerged."""
+        update = updates[-1]
+        if len(updates) > 1 and self._prep.stop:
+            texts = []
+            for i, u in enumerate(updates):
+                texts.append(self._text.push(u.new_token_ids, final=u.finished))
+                if self._text.stopped:
+                    updates = updates[: i + 1]
+                    break
+            text: str | None = "".join(texts)
+            update = updates[-1]
+        else:
+            text = None
+        if len(updates) == 1:
+            new = list(update.new_token_ids)
+            logprobs, prompt_logprobs = update.logprobs, update.prompt_logprobs
+        else:
+            new = [t for u in updates for t in u.new_token_ids]
+            logprobs = b"".join(u.logprobs for u in updates)
+            prompt_logprobs = next((u.prompt_logprobs for u in updates if u.prompt_logprobs), b"")
         now = time.perf_counter()
-        new = list(update.new_token_ids)
         if new:
             if self._last_token_t is None:
                 self._metrics.ttft.observe(now - self._t0)
@@ -165,22 +206,23 @@ class Generation:
                     self._metrics.inter_token.observe(gap)
             self._last_token_t = now
         self.token_ids.extend(new)
-        self.logprobs += update.logprobs
-        if update.prompt_logprobs:
-            self.prompt_logprobs = update.prompt_logprobs
+        self.logprobs += logprobs
+        if prompt_logprobs:
+            self.prompt_logprobs = prompt_logprobs
         self.num_cached_tokens = update.num_cached_tokens
         self.replay_start = update.replay_start
         if update.finish_reason == "error":  # this request alone failed; the metrics count it
             self.finish_reason = "error"
             self._done = True
             raise RequestFailed(update.error or "the request failed")
-        text = self._text.push(new, final=update.finished)
+        if text is None:
+            text = self._text.push(new, final=update.finished)
         if self._text.stopped:
             self.finish_reason = "stop"
         elif update.finished:
             self.finish_reason = update.finish_reason or "stop"
             self._done = True
-        return Delta(text, new, self.finish_reason, update.logprobs, update.prompt_logprobs)
+        return Delta(text, new, self.finish_reason, logprobs, prompt_logprobs)
 
     @property
     def text(self) -> str:

@@ -10,19 +10,47 @@ from the config, never from the Ray resource: tests give actors fake GPUs and ru
 
 `incarnation` is drawn anew each time the process starts, so the scheduler can tell a live shard that
 kept its state from one Ray restarted (state lost) after a fault.
+
+Start-up is logged: a Ray worker process leaves our INFO records unshown (no handler, root at WARNING), so
+the actor gives the `raystate` logger one stderr handler (`show_info_on_stderr`), which Ray forwards to
+the driver's console under the actor's prefix: the worker's line per start-up phase as it ends (weights,
+kv_cache, buffers, cuda_graphs) with its seconds, then its "ready" line. `startup_phases()` returns them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import uuid
 
 from raystate.config import EngineConfig
 from raystate.messages import StepResult, decode_step, encode, ids_to_bytes
 
+_STDERR_HANDLER = "raystate-stderr"  # the name of the handler `show_info_on_stderr` adds
+
+
+def show_info_on_stderr() -> None:
+    """Lets the `raystate` logger's INFO records through, to stderr: its level is lowered to INFO, and a
+    stderr handler is added unless a handler on its way up already takes INFO (one added before, or one
+    the job configured, e.g. Ray's `LoggingConfig` on the root logger), so no line is shown twice."""
+    log = logging.getLogger("raystate")
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)
+    node: logging.Logger | None = log
+    while node is not None:
+        if any(h.level <= logging.INFO for h in node.handlers):
+            return
+        node = node.parent if node.propagate else None
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(_STDERR_HANDLER)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+
 
 class WorkerActor:
     def __init__(self, config: EngineConfig, shard: int, dry_run: bool = False) -> None:
+        show_info_on_stderr()
         self.config = config
         self.shard = shard
         self.dry_run = dry_run
@@ -54,6 +82,11 @@ class WorkerActor:
 
     def num_active(self) -> int:
         return 0 if self.worker is None else self.worker.num_active()
+
+    def startup_phases(self) -> dict[str, float]:
+        """Seconds of each start-up phase of this process's worker, in order (weights, kv_cache, buffers,
+        cuda_graphs when captured); empty for a dry run."""
+        return {} if self.worker is None else dict(self.worker.startup_s)
 
     def where(self) -> dict:
         """Node, process and device of this shard (for tools and tests)."""

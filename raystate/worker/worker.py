@@ -130,6 +130,7 @@ class Worker:
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         self.startup_s[name] = now - since
+        logger.info("start-up: %s %.2f s", name, now - since)  # a long load or capture shows where it is
         return now
 
     def new_decode_graphs(self) -> DecodeGraphs:

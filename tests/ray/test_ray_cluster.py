@@ -206,3 +206,39 @@ def test_generate_group_forks_a_prompts_choices_on_its_shard(cluster):
     )
     assert outs == [o.token_ids for o in want.outputs]
     _idle(cluster)
+
+
+def test_a_reader_behind_gets_the_queued_updates_as_one_delta(cluster):
+    """The served path over this backend: a `Generation` whose reader fell behind (here: it waits until
+    the request finished) gets every queued update merged into one delta, tokens and logprob records
+    those of the in-process run."""
+    from raystate.fanout import ChildRequest
+    from raystate.messages import unpack_logprobs
+    from raystate.serve.generation import Generation, Prepared, PromptPart
+    from raystate.serve.metrics import ServeMetrics
+
+    prompt = distinct_prompts(seed=11, num=1)[0]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
+    prep = Prepared("behind", "completions", [PromptPart(prompt, params)], None, True, False)
+
+    async def run():
+        child = ChildRequest("behind", prompt, params, None, 0)
+        (updates,) = await cluster.generate_group([child])
+        gen = Generation(cluster, prep, ServeMetrics(), set(), child, updates, text=None)
+        await gen.start()
+        for _ in range(1000):  # the last update was handed over: the rest lies queued
+            if "behind" not in cluster._sinks:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        return [d async for d in gen.deltas()], gen
+
+    deltas, gen = asyncio.run(run())
+    (want,) = LLM(backend="inprocess", **llm_kwargs()).generate(
+        prompt_token_ids=prompt, sampling_params=params, use_tqdm=False
+    )
+    assert len(deltas) == 1 and deltas[0].finish_reason == "length"  # the first update's, and the rest
+    assert deltas[0].token_ids == gen.token_ids == want.outputs[0].token_ids
+    ids, _, _ = unpack_logprobs(bytes(gen.logprobs))
+    assert ids.shape == (8, 3) and ids[:, 0].tolist() == gen.token_ids
+    _idle(cluster)
