@@ -79,10 +79,13 @@ class Case:
 
     def allowed_params(self) -> set[str]:
         """Fields a 400 may name: the broken ones, and those whose check a broken one can trip (a longer
-        prompt leaves less room for max_tokens; chat compares max_tokens with max_completion_tokens)."""
+        prompt leaves less room for max_tokens; chat compares max_tokens with max_completion_tokens; best_of
+        must equal n; more prompts or choices leave fewer of the other within the per-request cap)."""
         names = set(self.broken)
         if names & {"prompt", "messages", *LIMIT_FIELDS}:
             names |= set(LIMIT_FIELDS)
+        if names & {"n", "best_of", "prompt"}:
+            names |= {"n", "best_of"}
         return {field_path((n,)) for n in names}
 
 
@@ -290,8 +293,9 @@ def check(case: Case, status: int, headers: httpx.Headers, text: str, stats: dic
             assert "error" not in chunk, desc
     else:
         out = json.loads(text)
-        # at most MAX_TOKENS, or completions' default of 16 where a mutation removed max_tokens
-        assert out["choices"] and out["usage"]["completion_tokens"] <= 16, desc
+        # at most MAX_TOKENS per choice, or completions' default of 16 where a mutation removed max_tokens
+        n = len(out["choices"])
+        assert n and out["usage"]["completion_tokens"] <= 16 * n, desc
 
 
 def fuzz_settings(n: int) -> settings:
