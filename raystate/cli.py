@@ -255,6 +255,11 @@ def _serve(args: argparse.Namespace) -> int:
     rc = 0
     try:
         notice = _start_drain_notice(args.name)  # before the replicas start: they look it up
+        if local and args.backend == "ray":
+            # The backend's actors (the slow part: a process importing torch, weights, CUDA graphs) start
+            # while Serve starts its controller and replica; the replica connects to them
+            # (`launch.wait_started`) instead of starting its own.
+            _start_backend_in_background(engine_config, args.name, args.num_shards)
         if direct:  # the replicas listen on the port themselves; Serve's proxy would only compete for it
             serve.start(proxy_location="Disabled")
         else:
@@ -309,6 +314,23 @@ def _serve(args: argparse.Namespace) -> int:
                 ray.shutdown()
     print("raystate: stopped")
     return rc
+
+
+_BACKENDS: list = []  # the deployments `_start_backend_in_background` started
+
+
+def _start_backend_in_background(config, name: str, num_shards: int) -> None:
+    """Starts the Ray backend's deployment from a thread; its errors are the replica's to report (the
+    replica then starts the deployment itself and fails the same way, which `serve.run` shows)."""
+    from raystate.cluster import Cluster
+
+    def start() -> None:
+        try:  # kept referenced: its actors live as long as this process (a local Ray's driver)
+            _BACKENDS.append(Cluster.start(config, name=name, num_shards=num_shards))
+        except Exception as e:
+            print(f"raystate: the backend did not start here ({type(e).__name__}); the replica retries")
+
+    threading.Thread(target=start, name="raystate-backend-start", daemon=True).start()
 
 
 def _print_startup_phases(name: str) -> None:

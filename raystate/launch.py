@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import (
     PlacementGroup,
+    get_placement_group,
     placement_group,
     placement_group_table,
     remove_placement_group,
@@ -143,6 +145,29 @@ def exists(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def starting(name: str) -> bool:
+    """Whether another process is starting deployment `name`: its placement group (the first thing
+    `start` creates, removed if the start fails) exists, its scheduler (the last) not yet."""
+    try:
+        pg = get_placement_group(f"raystate-{name}")
+    except ValueError:
+        return False
+    return pg is not None and not exists(name)
+
+
+def wait_started(name: str, timeout_s: float) -> bool:
+    """Waits while another process starts deployment `name` (`starting`); True once it runs, False when
+    no start is in progress (or it failed, or `timeout_s` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if exists(name):
+            return True
+        if not starting(name):
+            return exists(name)
+        time.sleep(0.2)
+    return False
 
 
 def free_name(base: str = "raystate") -> str:

@@ -43,6 +43,7 @@ API_KEY_ENV = "RAYSTATE_API_KEY"
 DEPLOYMENT_NAME = "RaystateOpenAI"
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 DRAIN_NAMESPACE = "raystate"  # the Ray namespace of DrainNotice actors
+START_WAIT_S = 900.0  # how long a replica waits for a backend another process is starting
 
 ClientFactory = Callable[[], Client | Awaitable[Client]]
 
@@ -137,7 +138,8 @@ class RayBackend:
         try:
             cluster = Cluster.connect(self.name)
         except InvalidRequest:  # no deployment of that name yet
-            pass
+            if launch.wait_started(self.name, START_WAIT_S):  # `raystate serve` is starting it
+                return Cluster.connect(self.name)
         else:
             try:
                 ray.get(cluster.scheduler.check_alive.remote(), timeout=30)
