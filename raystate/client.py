@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from raystate.config import EngineConfig
@@ -23,17 +23,103 @@ from raystate.fanout import ChildRequest
 from raystate.messages import RequestUpdate, SamplingParams
 
 logger = logging.getLogger(__name__)
+_ids = itertools.count()  # request ids of `Client.new_request_id`
+
+
+class UpdateStream:
+    """One request's updates out of the queue its sink fills: an async iterator (what `generate_group`
+    returns), which also hands out, without waiting, what is already queued (`drain_nowait`).
+
+    Like an async generator over the queue: an error item ends it (raised as `wrap_error(item)`), and once
+    iteration began, its end (the last update, an error, a cancelled wait, `aclose`) calls
+    `on_end(finished)` once, finished telling whether the request's last update was handed out."""
+
+    __slots__ = ("_queue", "_on_end", "_wrap_error", "_started", "_finished", "_ended", "_error")
+
+    def __init__(
+        self,
+        queue: asyncio.Queue,
+        on_end: Callable[[bool], None],
+        wrap_error: Callable[[BaseException], BaseException],
+    ) -> None:
+        self._queue = queue
+        self._on_end = on_end
+        self._wrap_error = wrap_error
+        self._started = False
+        self._finished = False  # the last update was handed out
+        self._ended = False
+        self._error: BaseException | None = None  # an error item `drain_nowait` took out of the queue
+
+    def __aiter__(self) -> UpdateStream:
+        return self
+
+    async def __anext__(self) -> RequestUpdate:
+        if self._ended or self._finished:
+            self._end()
+            raise StopAsyncIteration
+        self._started = True
+        item = self._error
+        if item is None:
+            try:
+                item = await self._queue.get()
+            except BaseException:  # cancelled: the caller went away
+                self._end()
+                raise
+        if isinstance(item, BaseException):
+            self._end()
+            raise self._wrap_error(item) from item
+        self._finished = item.finished
+        return item
+
+    def drain_nowait(self) -> list[RequestUpdate]:
+        """The updates already queued, in order (up to the last one; empty when none is): what a reader
+        that fell behind merges into one. An error item stays for the next `__anext__` to raise."""
+        out: list[RequestUpdate] = []
+        queue = self._queue
+        if self._ended or self._finished or self._error is not None:
+            return out
+        while not queue.empty():
+            item = queue.get_nowait()
+            if isinstance(item, BaseException):
+                self._error = item
+                break
+            out.append(item)
+            if item.finished:
+                self._finished = True
+                break
+        if out:
+            self._started = True
+        return out
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            if self._started:
+                self._on_end(self._finished)
+
+    async def aclose(self) -> None:
+        self._end()
 
 
 class Client(abc.ABC):
     """What a front end may rely on. Updates for one request arrive in order; the last has finished=True."""
 
-    @abc.abstractmethod
-    def generate(
+    def new_request_id(self) -> str:
+        """A request id unique within this client (for callers that give none)."""
+        return f"{type(self).__name__.lower()}-{id(self):x}-{next(_ids)}"
+
+    async def generate(
         self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestUpdate]:
         """Queues the request (raising InvalidRequest before anything is queued if it is bad) and yields
         its updates. Closing the iterator early (a client that went away) aborts the request."""
+        rid = request_id or self.new_request_id()
+        (updates,) = await self.generate_group([ChildRequest(rid, list(prompt_token_ids), sampling, None, 0)])
+        try:
+            async for u in updates:
+                yield u
+        finally:
+            await updates.aclose()
 
     @abc.abstractmethod
     async def generate_group(self, requests: list[ChildRequest]) -> list[AsyncIterator[RequestUpdate]]:
@@ -77,7 +163,6 @@ class InProcessClient(Client):
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._ids = itertools.count()
         self._stopped = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="raystate-engine", daemon=True)
@@ -107,17 +192,6 @@ class InProcessClient(Client):
             for loop, queue in list(self._queues.values()):
                 loop.call_soon_threadsafe(queue.put_nowait, e)
 
-    async def generate(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestUpdate]:
-        rid = request_id or f"local-{next(self._ids)}"
-        (updates,) = await self.generate_group([ChildRequest(rid, list(prompt_token_ids), sampling, None, 0)])
-        try:
-            async for u in updates:
-                yield u
-        finally:
-            await updates.aclose()
-
     async def generate_group(self, requests: list[ChildRequest]) -> list[AsyncIterator[RequestUpdate]]:
         if self._error is not None or self._stopped:
             await self.check_alive()
@@ -143,20 +217,16 @@ class InProcessClient(Client):
         self._wake.set()
         return [self._updates(rid, queue) for rid, queue in queues.items()]
 
-    async def _updates(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestUpdate]:
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise EngineDead(f"the engine's step loop failed ({type(item).__name__})") from item
-                finished = item.finished
-                yield item
-        finally:
+    def _updates(self, rid: str, queue: asyncio.Queue) -> UpdateStream:
+        def on_end(finished: bool) -> None:
             self._queues.pop(rid, None)
             if not finished:
                 with self._lock:
                     self._engine.abort(rid)
+
+        return UpdateStream(
+            queue, on_end, lambda e: EngineDead(f"the engine's step loop failed ({type(e).__name__})")
+        )
 
     async def abort(self, request_id: str) -> None:
         """Drops the request; as on the Ray backend, its stream gets a last update with finish_reason

@@ -36,7 +36,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from raystate.client import Client
+from raystate.client import Client, UpdateStream
 from raystate.config import EngineConfig
 from raystate.errors import EngineDead, InvalidRequest
 from raystate.fanout import ChildRequest
@@ -83,81 +83,6 @@ def _run_on_loop(batches: list[tuple[LoopSink, list[RequestUpdate]]]) -> None:
             sink.on_loop(items)
         except Exception:  # one sink's failure must not starve the others
             logger.exception("delivering updates failed")
-
-
-class UpdateStream:
-    """One request's updates out of the queue its sink fills: an async iterator (what `generate_group`
-    returns), which also hands out, without waiting, what is already queued (`drain_nowait`).
-
-    Like an async generator over the queue: an error item ends it (raised as `wrap_error(item)`), and once
-    iteration began, its end (the last update, an error, a cancelled wait, `aclose`) calls
-    `on_end(finished)` once, finished telling whether the request's last update was handed out."""
-
-    __slots__ = ("_queue", "_on_end", "_wrap_error", "_started", "_finished", "_ended", "_error")
-
-    def __init__(
-        self,
-        queue: asyncio.Queue,
-        on_end: Callable[[bool], None],
-        wrap_error: Callable[[BaseException], BaseException],
-    ) -> None:
-        self._queue = queue
-        self._on_end = on_end
-        self._wrap_error = wrap_error
-        self._started = False
-        self._finished = False  # the last update was handed out
-        self._ended = False
-        self._error: BaseException | None = None  # an error item `drain_nowait` took out of the queue
-
-    def __aiter__(self) -> UpdateStream:
-        return self
-
-    async def __anext__(self) -> RequestUpdate:
-        if self._ended or self._finished:
-            self._end()
-            raise StopAsyncIteration
-        self._started = True
-        item = self._error
-        if item is None:
-            try:
-                item = await self._queue.get()
-            except BaseException:  # cancelled: the caller went away
-                self._end()
-                raise
-        if isinstance(item, BaseException):
-            self._end()
-            raise self._wrap_error(item) from item
-        self._finished = item.finished
-        return item
-
-    def drain_nowait(self) -> list[RequestUpdate]:
-        """The updates already queued, in order (up to the last one; empty when none is): what a reader
-        that fell behind merges into one. An error item stays for the next `__anext__` to raise."""
-        out: list[RequestUpdate] = []
-        queue = self._queue
-        if self._ended or self._finished or self._error is not None:
-            return out
-        while not queue.empty():
-            item = queue.get_nowait()
-            if isinstance(item, BaseException):
-                self._error = item
-                break
-            out.append(item)
-            if item.finished:
-                self._finished = True
-                break
-        if out:
-            self._started = True
-        return out
-
-    def _end(self) -> None:
-        if not self._ended:
-            self._ended = True
-            if self._started:
-                self._on_end(self._finished)
-
-    async def aclose(self) -> None:
-        self._end()
 
 
 def _engine_error(e: BaseException, what: str) -> BaseException:
@@ -336,17 +261,6 @@ class RayClient(Client):
                 sink(error)
 
     # -- the Client API ------------------------------------------------------------------------------------
-
-    async def generate(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestUpdate]:
-        rid = request_id or self.new_request_id()
-        (updates,) = await self.generate_group([ChildRequest(rid, list(prompt_token_ids), sampling, None, 0)])
-        try:
-            async for u in updates:
-                yield u
-        finally:
-            await updates.aclose()
 
     async def generate_group(self, requests: list[ChildRequest]) -> list[AsyncIterator[RequestUpdate]]:
         loop = asyncio.get_running_loop()

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from raystate.cluster import LoopSink, RayClient, UpdateStream
+from raystate.client import UpdateStream
+from raystate.cluster import LoopSink, RayClient
 from raystate.errors import EngineDead
 from raystate.fanout import ChildRequest
 from raystate.messages import RequestUpdate, SamplingParams

@@ -1,6 +1,6 @@
 """`Generation.deltas` merges the updates that queued up while the server was behind into one delta.
 
-No Ray: the update iterators are `raystate.cluster.UpdateStream`s over queues filled by hand, as the poll
+No Ray: the update iterators are `raystate.client.UpdateStream`s over queues filled by hand, as the poll
 thread's hand-over fills them; `drain_nowait` is what lets the reader see what is already queued.
 """
 
@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from raystate.cluster import UpdateStream
+from raystate.client import UpdateStream
 from raystate.errors import EngineDead, RequestFailed
 from raystate.fanout import ChildRequest
 from raystate.messages import RequestUpdate, SamplingParams, pack_logprobs, unpack_logprobs
