@@ -230,6 +230,7 @@ def _serve(args: argparse.Namespace) -> int:
         backend=args.backend,
         cluster_name=args.name,
         num_shards=args.num_shards,
+        num_replicas=args.num_replicas,
         api_key=None if local else api_key,
         require_api_key=api_key is not None,
         body_timeout_s=args.body_timeout_s,
@@ -269,7 +270,7 @@ def _serve(args: argparse.Namespace) -> int:
         url = f"http://{host}:{args.port}"
         print(
             f"raystate: serving model {args.model!r} ({describe_model(model)}; {args.backend} backend, "
-            f"{args.num_shards} shard(s))"
+            f"{args.num_shards} shard(s), {args.num_replicas} ingress replica(s))"
         )
         print(f"raystate: {engine_config.kv_summary()}")
         if args.backend == "ray":
@@ -427,6 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(raystate/serve/direct_http.py; default: on with a local Ray, off with --address)",
     )
     s.add_argument("--num-shards", type=int, default=1, help="worker actors (one per GPU)")
+    s.add_argument(
+        "--num-replicas",
+        type=int,
+        default=1,
+        help="ingress replicas (HTTP and streaming; with direct HTTP they share the port), one backend",
+    )
     s.add_argument(
         "--api-key", help="require this bearer key on every route but /health (default: $RAYSTATE_API_KEY)"
     )

@@ -49,7 +49,9 @@ def test_serve_prints_url_serves_and_stops_on_ctrl_c():
     port = free_port()
     env = {**os.environ, "RAYSTATE_KERNELS": "reference", "PYTHONUNBUFFERED": "1"}
     env.pop("RAYSTATE_API_KEY", None)
+    # Two ingress replicas: with direct HTTP (the default) both listen on the port (SO_REUSEPORT).
     cmd = [sys.executable, "-m", "raystate", "serve", "--port", str(port), "--api-key", KEY, "--name", "cli"]
+    cmd += ["--num-replicas", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
@@ -57,6 +59,7 @@ def test_serve_prints_url_serves_and_stops_on_ctrl_c():
         out = "".join(_wait_for(lines, "Ctrl-C", timeout_s=180))
         url = f"http://127.0.0.1:{port}"
         assert f"{url}/v1" in out
+        assert "2 ingress replica(s)" in out and "shard 0 start-up: weights" in out
         assert "curl" in out and "Authorization: Bearer" in out
 
         body = {"model": "tiny", "prompt": "F1 cli", "max_tokens": 4, "temperature": 0}
