@@ -145,7 +145,7 @@ class Generation:
         for one chunk, not k. Its text may be "" while a character or a stop string is incomplete.
 
         Merging needs an update iterator that hands out what is queued without waiting
-        (`drain_nowait`, as `raystate.cluster.UpdateStream`); over any other, one delta per update.
+        (`drain_nowait`, as `raystate.client.UpdateStream`); over any other, one delta per update.
         When the reader keeps up there is nothing queued: no wait, no timer, one `drain_nowait` call."""
         drain = getattr(self._updates, "drain_nowait", None)
         held: RequestUpdate | None = None  # a drained update left for the next delta (an error's)
