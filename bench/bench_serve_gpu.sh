@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The served path on the GPU machine, in one call (issue items 1 and 3): from the repo root, .whl/ carried,
+# built with EXTRA="httptools uvloop" SERVE=1 ../shared/device/make-wheels.sh (a pip install of ray[serve] brings both;
+# without httptools uvicorn falls back to its pure-Python h11 parser, as in the 2026-12-03 run),
 #   bash bench/bench_serve_gpu.sh          # logs and JSON into $OUT (or ./out); about 6-8 minutes
 # 1. `raystate serve --model bench --device cuda` in the background: launch -> first 200 from /health timed
 #    (serve_cold_start.json), its log kept with the worker's start-up phases (serve_server.log).
