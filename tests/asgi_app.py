@@ -9,9 +9,12 @@ tests/ on sys.path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 import httpx
 import openai
+import pytest
 
 
 class AsgiApp:
@@ -46,3 +49,17 @@ class AsgiApp:
         self.run(self.http.aclose())
         self.run(self.server.shutdown())
         self.loop.close()
+
+
+@contextlib.contextmanager
+def reference_app(model: str, served_name: str | None = None, **engine) -> Iterator[AsgiApp]:
+    """An `AsgiApp` on the kernels' PyTorch references (a step under Triton's CPU interpreter takes
+    seconds), closed on exit: the body of a module-scoped `app` fixture."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAYSTATE_KERNELS", "reference")
+        mp.setattr("raystate.kernels._common._reference_forced", True)
+        app = AsgiApp(model, served_name, **engine)
+        try:
+            yield app
+        finally:
+            app.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from asgi_app import AsgiApp
+from asgi_app import AsgiApp, reference_app
 
 from raystate.messages import MAX_N
 from raystate.serve.protocol import MAX_CHOICES
@@ -25,14 +25,8 @@ LONG = "N1 a prompt long enough to span several KV blocks, so that forking share
 
 @pytest.fixture(scope="module")
 def app():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAYSTATE_KERNELS", "reference")
-        mp.setattr("raystate.kernels._common._reference_forced", True)
-        a = AsgiApp(MODEL, enable_prefix_caching=False)
-        try:
-            yield a
-        finally:
-            a.close()
+    with reference_app(MODEL, enable_prefix_caching=False) as a:
+        yield a
 
 
 def _complete(app: AsgiApp, **kw):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from asgi_app import AsgiApp
+from asgi_app import reference_app
 
 from raystate.tokenizer import ByteTokenizer
 
@@ -24,14 +24,8 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "raysta
 
 @pytest.fixture(scope="module")
 def app():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAYSTATE_KERNELS", "reference")
-        mp.setattr("raystate.kernels._common._reference_forced", True)
-        a = AsgiApp(MODEL)
-        try:
-            yield a
-        finally:
-            a.close()
+    with reference_app(MODEL) as a:
+        yield a
 
 
 # -- unknown and unsupported fields -----------------------------------------------------------------------

@@ -9,7 +9,7 @@ import json
 
 import jsonschema
 import pytest
-from asgi_app import AsgiApp
+from asgi_app import reference_app
 
 MODEL = "tiny"
 SCHEMA = {
@@ -27,14 +27,8 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "place", "sche
 
 @pytest.fixture(scope="module")
 def app():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAYSTATE_KERNELS", "reference")
-        mp.setattr("raystate.kernels._common._reference_forced", True)
-        a = AsgiApp(MODEL)
-        try:
-            yield a
-        finally:
-            a.close()
+    with reference_app(MODEL) as a:
+        yield a
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
