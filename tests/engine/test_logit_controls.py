@@ -6,25 +6,9 @@ and in the scheduler's finishing rule), min_p = 1 is greedy."""
 from __future__ import annotations
 
 import numpy as np
-import torch
+from logit_reference import reference_row
 
 from raystate import SamplingParams
-
-
-def reference_row(logits, p: SamplingParams, prompt, output, eos) -> torch.Tensor:
-    x = logits.clone()
-    for t, b in (p.logit_bias or {}).items():
-        x[t] = x[t] + torch.tensor(b, dtype=torch.float32)
-    if len(output) < p.min_tokens:
-        for t in [*p.stop_token_ids, *(() if p.ignore_eos else eos)]:
-            x[t] = float("-inf")
-    rep = torch.tensor(p.repetition_penalty, dtype=torch.float32)
-    for t in set(prompt) | set(output):
-        x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
-    for t in set(output):
-        x[t] = x[t] - torch.tensor(p.frequency_penalty, dtype=torch.float32) * output.count(t)
-        x[t] = x[t] - torch.tensor(p.presence_penalty, dtype=torch.float32)
-    return x
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from logit_reference import reference_row
 
 from raystate.errors import InvalidRequest
 from raystate.messages import NewRequest, SamplingParams, ids_to_bytes
@@ -21,29 +22,6 @@ from raystate.worker.sampler import Sampler
 V = 40
 EOS = (3, 7)
 NUM_SLOTS = 7  # 6 request slots and the scratch slot
-
-
-def reference_row(
-    logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]
-) -> torch.Tensor:
-    """One row's controlled logits, token by token, in fp32 as the device computes them."""
-    x = logits.clone()
-    if not p.has_logit_controls:
-        return x
-    for t, b in (p.logit_bias or {}).items():
-        x[t] = x[t] + torch.tensor(b, dtype=torch.float32)
-    if len(output) < p.min_tokens:
-        for t in [*p.stop_token_ids, *(() if p.ignore_eos else EOS)]:
-            x[t] = float("-inf")
-    rep = torch.tensor(p.repetition_penalty, dtype=torch.float32)
-    for t in set(prompt) | set(output):
-        x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
-    freq = torch.tensor(p.frequency_penalty, dtype=torch.float32)
-    pres = torch.tensor(p.presence_penalty, dtype=torch.float32)
-    for t in set(output):
-        x[t] = x[t] - freq * output.count(t)
-        x[t] = x[t] - pres
-    return x
 
 
 def _new_request(req_id: str, prompt: list[int], output: list[int], p: SamplingParams) -> NewRequest:
@@ -97,7 +75,7 @@ def test_batched_controls_equal_the_per_row_reference(rows, seed):
     num_output = torch.tensor([len(o) for _, _, o in rows])
     got = controls.apply(logits, torch.tensor(slots), num_output)
     for i, (p, prompt, output) in enumerate(rows):
-        want = reference_row(logits[i], p, prompt, output)
+        want = reference_row(logits[i], p, prompt, output, EOS)
         assert torch.equal(got[i], want), (i, p)
         if not p.has_logit_controls:
             assert torch.equal(got[i], logits[i])  # untouched, bit for bit
@@ -106,7 +84,7 @@ def test_batched_controls_equal_the_per_row_reference(rows, seed):
     controls.count(torch.tensor(slots), sampled)
     got = controls.apply(logits, torch.tensor(slots), num_output + 1)
     for i, (p, prompt, output) in enumerate(rows):
-        assert torch.equal(got[i], reference_row(logits[i], p, prompt, [*output, int(sampled[i])]))
+        assert torch.equal(got[i], reference_row(logits[i], p, prompt, [*output, int(sampled[i])], EOS))
 
 
 def test_rows_without_controls_are_bit_identical_and_the_scratch_slot_is_off():
