@@ -45,6 +45,15 @@ class AsgiApp:
     def get(self, path: str) -> httpx.Response:
         return self.run(self.http.get(path))
 
+    def refused_param(self, path: str, change: dict) -> str:
+        """POSTs a minimal valid body of `path` (a completion or a chat of 2 tokens) with `change` merged
+        in; asserts a 400 and returns the field its error names (`error.param`)."""
+        body = {"model": self.name, "max_tokens": 2}
+        body |= {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+        r = self.post(path, body | change)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]["param"]
+
     def close(self) -> None:
         self.run(self.http.aclose())
         self.run(self.server.shutdown())

@@ -203,11 +203,7 @@ def test_logprobs_and_max_tokens_0_per_choice(app):
     ],
 )
 def test_bad_n_best_of_and_prompt_lists_are_400s(app, path, change, param):
-    body = {"model": MODEL, "max_tokens": 2}
-    body |= {"prompt": "x"} if "chat" not in path else {"messages": [{"role": "user", "content": "x"}]}
-    r = app.post(path, body | change)
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == param
+    assert app.refused_param(path, change) == param
 
 
 def test_best_of_equal_to_n_is_accepted(app):
