@@ -33,7 +33,7 @@ from raystate.engine_args import (
     resolve_model,
 )
 from raystate.errors import InvalidRequest
-from raystate.fanout import child_requests
+from raystate.fanout import ChildRequest, child_requests
 from raystate.messages import SamplingParams, unpack_logprobs
 from raystate.serve.text import load_model_text
 
@@ -231,46 +231,30 @@ class LLM:
             raise InvalidRequest("sampling_params", f"one per prompt ({len(items)})", len(params))
         if self.cluster is not None:
             return self._generate_ray(items, params, use_tqdm)
-        outputs: dict[str, RequestOutput] = {}  # per engine request (one per choice)
-        groups: list[tuple[str, list[str]]] = []  # per prompt: its id and its choices' engine ids
-        for (text, ids), sp in zip(items, params, strict=True):
-            rid = f"req-{next(self._ids)}"
-            children = child_requests(rid, ids, sp)
-            try:
-                for c in children:
-                    self.engine.add_request(c.req_id, ids, c.sampling, fork_of=c.fork_of)
-                    outputs[c.req_id] = _new_output(c.req_id, text, ids, sp)
-            except ValueError:
-                # Withdraw this call's earlier prompts; requests accepted before the call run on.
-                for queued in outputs:
-                    self.engine.abort(queued)
-                raise
-            groups.append((rid, [c.req_id for c in children]))
-        bar = tqdm(total=len(groups), desc="generate", disable=not use_tqdm or len(groups) < 2)
+        children, outputs, groups = self._expand(items, params)
+        try:
+            for c in children:
+                self.engine.add_request(c.req_id, c.prompt_token_ids, c.sampling, fork_of=c.fork_of)
+        except ValueError:
+            # Withdraw this call's earlier prompts; requests accepted before the call run on.
+            for queued in outputs:
+                self.engine.abort(queued)
+            raise
+        progress = _Progress(groups, use_tqdm)
         pending = set(outputs)
         while pending:
-            updates = self.engine.step()
-            for u in updates:
+            for u in self.engine.step():
                 _apply_update(outputs, pending, u)
-            if any(u.finished for u in updates):
-                bar.update(sum(all(outputs[c].finished for c in cs) for _, cs in groups) - bar.n)
-        return self._finish(outputs, groups, bar)
+                progress.update(u)
+        return self._finish(outputs, groups, progress)
 
     def _generate_ray(self, items, params, use_tqdm: bool) -> list[RequestOutput]:
         """Submits the call's prompts as one atomic batch and collects the streamed updates."""
-        outputs: dict[str, RequestOutput] = {}  # per engine request (one per choice)
-        groups: list[tuple[str, list[str]]] = []
-        batch = []
-        for (text, ids), sp in zip(items, params, strict=True):
-            rid = f"req-{next(self._ids)}"
-            children = child_requests(rid, ids, sp)
-            for c in children:
-                outputs[c.req_id] = _new_output(c.req_id, text, ids, sp)
-                batch.append((c.req_id, ids, c.sampling, c.fork_of))
-            groups.append((rid, [c.req_id for c in children]))
+        children, outputs, groups = self._expand(items, params)
+        batch = [(c.req_id, c.prompt_token_ids, c.sampling, c.fork_of) for c in children]
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.cluster.submit(batch, inbox.put)  # InvalidRequest withdraws the whole batch
-        bar = tqdm(total=len(groups), desc="generate", disable=not use_tqdm or len(groups) < 2)
+        progress = _Progress(groups, use_tqdm)
         pending = set(outputs)
         try:
             while pending:
@@ -278,19 +262,35 @@ class LLM:
                 if isinstance(item, BaseException):
                     raise item
                 _apply_update(outputs, pending, item)
-                if item.finished:
-                    bar.update(sum(all(outputs[c].finished for c in cs) for _, cs in groups) - bar.n)
+                progress.update(item)
         except BaseException:  # e.g. Ctrl-C: the deployment must not keep generating for nobody
-            bar.close()
+            progress.bar.close()
             self.cluster.abort_nowait(pending)
             raise
-        return self._finish(outputs, groups, bar)
+        return self._finish(outputs, groups, progress)
+
+    def _expand(
+        self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams]
+    ) -> tuple[list[ChildRequest], dict[str, RequestOutput], list[tuple[str, list[str]]]]:
+        """The call's engine requests (a prompt's n choices: `raystate.fanout`), an output per engine
+        request, and per prompt its id and its engine requests' ids."""
+        children: list[ChildRequest] = []
+        outputs: dict[str, RequestOutput] = {}
+        groups: list[tuple[str, list[str]]] = []
+        for (text, ids), sp in zip(items, params, strict=True):
+            rid = f"req-{next(self._ids)}"
+            mine = child_requests(rid, ids, sp)
+            for c in mine:
+                outputs[c.req_id] = _new_output(c.req_id, text, ids, sp)
+            children += mine
+            groups.append((rid, [c.req_id for c in mine]))
+        return children, outputs, groups
 
     def _finish(
-        self, outputs: dict[str, RequestOutput], groups: list[tuple[str, list[str]]], bar
+        self, outputs: dict[str, RequestOutput], groups: list[tuple[str, list[str]]], progress: _Progress
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt: choice 0's, with every choice in `outputs`."""
-        bar.close()
+        progress.bar.close()
         for out in outputs.values():
             out.text = self.text.decode(out.token_ids)
             for per_token in (out.logprobs or [], out.prompt_logprobs or []):
@@ -307,6 +307,21 @@ class LLM:
             ]
             results.append(first)
         return results
+
+
+class _Progress:
+    """The progress bar of a call: a prompt counts once all its choices finished."""
+
+    def __init__(self, groups: list[tuple[str, list[str]]], use_tqdm: bool) -> None:
+        self.prompt_of = {c: i for i, (_, children) in enumerate(groups) for c in children}
+        self.choices_left = [len(children) for _, children in groups]
+        self.bar = tqdm(total=len(groups), desc="generate", disable=not use_tqdm or len(groups) < 2)
+
+    def update(self, u) -> None:
+        if u.finished and (i := self.prompt_of.pop(u.req_id, None)) is not None:
+            self.choices_left[i] -= 1
+            if not self.choices_left[i]:
+                self.bar.update(1)
 
 
 def _new_output(rid: str, text: str | None, ids: list[int], sp: SamplingParams) -> RequestOutput:
