@@ -65,8 +65,7 @@ while True:
             first_answer = first_answer or time.time() - launch
     time.sleep(0.25)
 PY
-# The worker's start-up phases: its "ready" log line does not reach a Ray worker's log (INFO is dropped
-# there), so they are read from the worker actor itself (Worker.startup_s, through __ray_call__); and the
+# The worker's start-up phases, read from the worker actor itself (WorkerActor.startup_phases), and the
 # server log's milestones as seconds after the launch.
 LAUNCH=$launch LOG="$OUT/serve_server_$mode.log" timeout 60 "$PY" - <<'PY' 2>/dev/null | tee "$OUT/serve_start_phases_$mode.json"
 import datetime, json, os, re, ray
@@ -85,7 +84,7 @@ for i in range(8):
         w = ray.get_actor(f"worker-{i}", namespace="raystate")
     except ValueError:
         break
-    phases = ray.get(w.__ray_call__.remote(lambda self: self.worker.startup_s), timeout=30)
+    phases = ray.get(w.startup_phases.remote(), timeout=30)
     out["worker_phases_s"][f"worker-{i}"] = {k: round(v, 2) for k, v in phases.items()}
 print(json.dumps(out))
 PY

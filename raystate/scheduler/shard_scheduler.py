@@ -302,11 +302,7 @@ class ShardScheduler:
         """Forks the parked siblings of every request whose last prompt chunk this step schedules
         (KVManager.fork), while sequence slots, tokens and blocks last; the rest are queued at the front.
         Returns the forked ones, admitted as new rows of this step."""
-        budget = (
-            self.max_num_batched_tokens
-            - sum(req.num_scheduled for req in new_rows)
-            - sum(req.num_scheduled for req in rows)
-        )
+        budget = self._budget_left([*new_rows, *rows])
         forked: list[Request] = []
         for parent in [*new_rows, *rows]:
             if not parent.forks:
