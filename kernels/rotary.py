@@ -6,6 +6,9 @@ bit-for-bit unchanged during SWA bounded replay). The cos/sin of each position c
 once by the model with the same fp32 formula as `raystate.model.layers.apply_rotary`, so kernel and
 reference rotate by bitwise the same angles.
 Replaces about twenty torch launches per layer (split, angles, cos, sin, two rotations, cat, casts, store).
+Families with a per-head RMSNorm of q and k before the rotation (Qwen3, Gemma 3) run it here too, rounded
+to the projection's dtype before rotating as the separate norm's output would be: two launches fewer a
+layer.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import triton
 import triton.language as tl
 
 from raystate.kernels._common import next_pow2, use_triton
+from raystate.kernels.norm import rms_norm_heads_ref
 
 
 def _rotate_ref(
@@ -55,10 +59,16 @@ def rope_write_kv_ref(
     k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # int64 [>= T]
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float]
+    | None = None,  # (q gain [D], k gain [D], eps, offset)
 ) -> torch.Tensor:  # q [T, H, D], rotated
     num_tokens = qkv.shape[0]
     head_dim = cos_sin.shape[1]
     half = head_dim // 2
+    if qk_norm is not None:
+        q_w, k_w, eps, offset = qk_norm
+        qkv = rms_norm_heads_ref(qkv.clone(), q_w, eps, offset, 0, head_dim, num_heads)
+        qkv = rms_norm_heads_ref(qkv, k_w, eps, offset, num_heads * head_dim, head_dim, num_kv_heads)
     q, k, v = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, head_dim).split(
         [num_heads, num_kv_heads, num_kv_heads], dim=1
     )
@@ -70,12 +80,35 @@ def rope_write_kv_ref(
 
 
 @triton.jit
-def _rotate_heads(src, dst, cos, sin, heads, dims, half, num_heads, src_head_stride, dst_head_stride):
-    """Rotates heads [H_BLOCK] x half-dims [HALF_BLOCK] from src to dst (both at the token's base)."""
+def _rotate_heads(
+    src,
+    dst,
+    cos,
+    sin,
+    heads,
+    dims,
+    half,
+    num_heads,
+    src_head_stride,
+    dst_head_stride,
+    norm,
+    NORM: tl.constexpr,
+):
+    """Rotates heads [H_BLOCK] x half-dims [HALF_BLOCK] from src to dst (both at the token's base); with
+    NORM, RMSNorms each head first, norm = (gain_ptr [2 * half], eps, weight_offset)."""
     mask = (heads < num_heads)[:, None] & (dims < half)[None, :]
     lo = heads[:, None] * src_head_stride + dims[None, :]
     x1 = tl.load(src + lo, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + lo + half, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        gain_ptr, eps, weight_offset = norm
+        inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half) + eps)  # [H]
+        d_valid = dims < half
+        g1 = tl.load(gain_ptr + dims, mask=d_valid, other=0.0).to(tl.float32) + weight_offset
+        g2 = tl.load(gain_ptr + half + dims, mask=d_valid, other=0.0).to(tl.float32) + weight_offset
+        # Rounded to the projection's dtype, as the unfused norm stores it, then rotated in fp32.
+        x1 = (x1 * inv_rms[:, None] * g1[None, :]).to(src.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * inv_rms[:, None] * g2[None, :]).to(src.dtype.element_ty).to(tl.float32)
     out_lo = heads[:, None] * dst_head_stride + dims[None, :]
     c = cos[None, :]
     s = sin[None, :]
@@ -92,6 +125,10 @@ def _rope_write_kv_kernel(
     k_cache_ptr,  # [num_blocks, block_size, H_kv, D]
     v_cache_ptr,
     slot_mapping_ptr,  # int64 [>= T]
+    q_gain_ptr,  # [D]: q's per-head RMSNorm gain (unused without QK_NORM)
+    k_gain_ptr,  # [D]
+    norm_eps,
+    norm_weight_offset,
     qkv_stride,
     k_cache_stride_block,
     k_cache_stride_slot,
@@ -103,6 +140,7 @@ def _rope_write_kv_kernel(
     num_kv_heads,
     head_dim,
     block_size,
+    QK_NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -128,6 +166,8 @@ def _rope_write_kv_kernel(
         num_heads,
         head_dim,
         head_dim,
+        (q_gain_ptr, norm_eps, norm_weight_offset),
+        QK_NORM,
     )
 
     # Keys (rotated) and values (copied) to the token's cache slot, unless the slot is negative.
@@ -150,6 +190,8 @@ def _rope_write_kv_kernel(
         live_kv_heads,
         head_dim,
         k_cache_stride_h,
+        (k_gain_ptr, norm_eps, norm_weight_offset),
+        QK_NORM,
     )
     full = tl.arange(0, 2 * BLOCK_HALF)
     v_mask = (kv_heads < live_kv_heads)[:, None] & (full < head_dim)[None, :]
@@ -175,11 +217,13 @@ def rope_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None,
 ) -> torch.Tensor:
-    """Rotated q [T, H, D]; rotated k and v stored at their slots in the caches. One launch, no sync."""
+    """Rotated q [T, H, D]; rotated k and v stored at their slots in the caches. One launch, no sync.
+    With qk_norm = (q gain [D], k gain [D], eps, weight offset), each q and k head is RMSNormed first."""
     if not use_triton(qkv):
         return rope_write_kv_ref(
-            qkv, positions, cos_sin, num_heads, num_kv_heads, k_cache, v_cache, slot_mapping
+            qkv, positions, cos_sin, num_heads, num_kv_heads, k_cache, v_cache, slot_mapping, qk_norm
         )
     num_tokens = qkv.shape[0]
     head_dim = cos_sin.shape[1]
@@ -196,6 +240,10 @@ def rope_write_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        qk_norm[0] if qk_norm is not None else qkv,
+        qk_norm[1] if qk_norm is not None else qkv,
+        qk_norm[2] if qk_norm is not None else 0.0,
+        qk_norm[3] if qk_norm is not None else 0.0,
         qkv.stride(0),
         k_cache.stride(0),
         k_cache.stride(1),
@@ -207,6 +255,7 @@ def rope_write_kv(
         num_kv_heads,
         head_dim,
         k_cache.shape[1],
+        QK_NORM=qk_norm is not None,
         BLOCK_H=next_pow2(num_heads),
         BLOCK_KV=next_pow2(num_kv_heads),
         BLOCK_HALF=next_pow2(head_dim // 2),

@@ -125,8 +125,13 @@ class Attention(nn.Module):
                 f"its group metadata {group.sliding_window}"
             )
         k_cache, v_cache = kv_cache
+        if self.qk_norm == "head":  # the per-head norms run in the rotation's launch
+            qkv = self.qkv_proj(hidden)
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.weight_offset)
+        else:
+            qkv, qk_norm = self._qkv(hidden), None
         q = rope_write_kv(
-            self._qkv(hidden),
+            qkv,
             positions,
             cos_sin,
             self.num_heads,
@@ -134,6 +139,7 @@ class Attention(nn.Module):
             k_cache,
             v_cache,
             group.slot_mapping,
+            qk_norm,
         )  # [T, H, head_dim]
         out = paged_attention(
             q,

@@ -42,7 +42,10 @@ class DecoderLMLayer(nn.Module):
     - "sandwich" (Gemma 3): x + norm(attn(norm(x))), then + norm(mlp(norm(.))).
     - "post" (OLMo 3): x + norm(attn(x)), then + norm(mlp(.)).
     The paged forward carries the stream as (sublayer output, stream before it) so that the add folds into
-    the next norm's launch where one follows; `dense_sublayers` is the same layer written plainly.
+    the next norm's launch where one follows; `attn_input` and `after_attn` are the same layer written
+    plainly. In the sandwich layout the norm of a sublayer's output rides in that launch too: the MLP's
+    output leaves the layer un-normed, and its norm (`output_norm`) runs in the next layer's input norm
+    (or the final norm), so a layer launches two norms, not four.
     """
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
@@ -75,6 +78,8 @@ class DecoderLMLayer(nn.Module):
             self.pre_mlp_norm = RMSNorm(cfg.hidden_size, eps, offset)
         if self.layout in ("sandwich", "post"):
             self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps, offset)
+        # The norm the next launch applies to this layer's returned output before adding it to the stream.
+        self.output_norm = self.post_mlp_norm if self.layout == "sandwich" else None
 
     def forward(
         self,
@@ -84,6 +89,7 @@ class DecoderLMLayer(nn.Module):
         attn_metadata: ForwardMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         cos_sin: torch.Tensor,  # fp32 [max_positions, head_dim]: this layer type's rope table
+        hidden_norm: RMSNorm | None = None,  # the previous layer's `output_norm`, not yet applied to hidden
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP block's output, the stream before it)
         group = attn_metadata.groups[self.group_name]
         if self.layout == "post":
@@ -95,13 +101,13 @@ class DecoderLMLayer(nn.Module):
             residual = hidden
             normed = self.input_norm(hidden)
         else:
-            normed, residual = self.input_norm.add_and_norm(hidden, residual)
+            normed, residual = self.input_norm.add_and_norm(hidden, residual, hidden_norm)
         attn_out = self.attn(normed, positions, attn_metadata, group, kv_cache, cos_sin)
         if self.layout == "pre":
             normed, residual = self.post_attn_norm.add_and_norm(attn_out, residual)
             return self.mlp(normed), residual
-        normed, residual = self.pre_mlp_norm.add_and_norm(self.post_attn_norm(attn_out), residual)
-        return self.post_mlp_norm(self.mlp(normed)), residual
+        normed, residual = self.pre_mlp_norm.add_and_norm(attn_out, residual, self.post_attn_norm)
+        return self.mlp(normed), residual  # un-normed: `output_norm` runs in the next launch
 
     def attn_input(self, stream: torch.Tensor) -> torch.Tensor:
         """What the attention projects: the normed stream, or the stream itself ("post")."""
@@ -183,12 +189,20 @@ class DecoderLM(nn.Module):
             )
         hidden = self.embed_tokens(input_ids)
         residual = None
+        pending_norm = None  # the last layer's output_norm, not yet applied to hidden
         tables = {t: self.cos_sin(t, hidden.device) for t in self._layer_kinds}
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(
-                hidden, residual, positions, attn_metadata, kv_cache, tables[layer.layer_type]
+                hidden, residual, positions, attn_metadata, kv_cache, tables[layer.layer_type], pending_norm
             )
-        return self.final_norm.add_and_norm(hidden, residual)[0]
+            pending_norm = layer.output_norm
+        return self.final_norm.add_and_norm(hidden, residual, pending_norm)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> fp32 [N, vocab]
-        return self.lm_head(hidden).float()
+    def compute_logits(
+        self,
+        hidden: torch.Tensor,  # [N, hidden]
+        out: torch.Tensor | None = None,  # fp32 [N, vocab]: written in place (the CUDA graph's buffer)
+    ) -> torch.Tensor:  # fp32 [N, vocab]
+        """The head's output in fp32; into `out` by the one converting copy, without an fp32 temporary."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)

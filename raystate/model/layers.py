@@ -31,10 +31,15 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, None, self.weight_offset)[0]
 
     def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(x + residual), x + residual), each [T, dim]
-        """The residual add before the norm, fused with it (one launch on the GPU)."""
-        return rms_norm(x, self.weight, self.eps, residual, self.weight_offset)
+        self, x: torch.Tensor, residual: torch.Tensor, x_norm: RMSNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(x' + residual), x' + residual), each [T, dim]
+        """The residual add before the norm, fused with it (one launch on the GPU). With `x_norm`, x' is
+        x_norm(x) (a sandwich layout's norm of the sublayer's output), in the same launch; else x' = x."""
+        if x_norm is None:
+            return rms_norm(x, self.weight, self.eps, residual, self.weight_offset)
+        if (x_norm.eps, x_norm.weight_offset) != (self.eps, self.weight_offset):
+            raise ValueError("x_norm: a fused pair of norms needs one eps and one weight offset")
+        return rms_norm(x, self.weight, self.eps, residual, self.weight_offset, x_norm.weight)
 
 
 class SwiGLU(nn.Module):

@@ -136,5 +136,11 @@ class TinyHybrid(nn.Module):
             )
         return self.final_norm.add_and_norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> fp32 [N, vocab]
-        return self.lm_head(hidden).float()
+    def compute_logits(
+        self,
+        hidden: torch.Tensor,  # [N, hidden]
+        out: torch.Tensor | None = None,  # fp32 [N, vocab]: written in place (the CUDA graph's buffer)
+    ) -> torch.Tensor:  # fp32 [N, vocab]
+        """The head's output in fp32; into `out` by the one converting copy, without an fp32 temporary."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)

@@ -131,11 +131,10 @@ class DecodeGraphs:
             states, p.block_tables, slots, qsl32, seq_lens.to(torch.int32), positions, max_query_len=1
         )
         hidden = p.model(input_ids, positions, lookback, meta, p.kv_caches)
-        logits = self.logits[:size]
-        raw = p.model.compute_logits(hidden)
+        # fp32 [size, V]: the head's output converted into the buffer that host-side sampling reads
+        logits = p.model.compute_logits(hidden, out=self.logits[:size])
         if controlled:  # this row's output so far: its history (positions + 1) less its prompt
-            raw = p.controls.apply(raw, slots, p.controls.num_output(slots, positions + 1))
-        logits.copy_(raw)
+            logits.copy_(p.controls.apply(logits, slots, p.controls.num_output(slots, positions + 1)))
         sampled = self.sampled[:size]
         sampled.copy_(greedy_checked(logits))  # FAILED_ROW where a row's logits are not finite
         # Padding rows append to the scratch slot's history, which no request reads. A failed row

@@ -59,6 +59,71 @@ def test_rms_norm_weight_offset_is_gemmas_one_plus_w(on_device, dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 8), (4, 130), (9, 2560)])
+def test_rms_norm_pre_weight_is_the_sandwich_norm_add_norm(on_device, dtype, shape):
+    """Gemma's post-sublayer norm, residual add and next norm in one launch equal the three steps."""
+    gen = torch.Generator().manual_seed(shape[1] + 2)
+    x = (torch.randn(shape, generator=gen) * 40).to(dtype)  # a sublayer output far from unit scale
+    res = torch.randn(shape, generator=gen).to(dtype)
+    w_pre, w = ((torch.randn(shape[1], generator=gen) * 0.3).to(dtype) for _ in range(2))
+    out, summed = rms_norm(on_device(x), on_device(w), 1e-6, on_device(res), 1.0, on_device(w_pre))
+    ref, ref_summed = rms_norm_ref(x, w, 1e-6, res, 1.0, w_pre)
+    _close(summed, ref_summed, dtype)
+    _close(out, ref, dtype)
+    # The reference is the unfused chain, bit for bit: norm the output, add (rounded), norm the sum.
+    normed_x = rms_norm_ref(x, w_pre, 1e-6, None, 1.0)[0]
+    chain, chain_summed = rms_norm_ref(normed_x, w, 1e-6, res, 1.0)
+    assert torch.equal(ref, chain) and torch.equal(ref_summed, chain_summed)
+    assert torch.equal(chain_summed, normed_x + res)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (3, 1, 8), (8, 4, 256)])
+def test_rope_write_kv_with_qk_norm_equals_norm_then_rotate(on_device, dtype, heads, kv_heads, head_dim):
+    """Qwen3 / Gemma 3's per-head q and k norms fused into the rotation equal the separate norm first."""
+    from raystate.kernels.norm import rms_norm_heads_ref
+
+    gen = torch.Generator().manual_seed(heads * head_dim + 1)
+    num_tokens, num_blocks, block_size, max_pos = 7, 4, 4, 32
+    qkv = (torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen) * 5).to(dtype)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[0] = PAD_SLOT_ID
+    table = rotary_table(head_dim, 10000.0, max_pos, torch.device("cpu"))
+    q_w, k_w = ((torch.randn(head_dim, generator=gen) * 0.3).to(dtype) for _ in range(2))
+    kc = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    kc_dev, vc_dev = on_device(kc), on_device(vc)
+    qkv_dev = on_device(qkv)
+    norm = (on_device(q_w), on_device(k_w), 1e-6, 1.0)
+    q = rope_write_kv(
+        qkv_dev,
+        on_device(positions),
+        on_device(table),
+        heads,
+        kv_heads,
+        kc_dev,
+        vc_dev,
+        on_device(slots),
+        norm,
+    )
+    assert torch.equal(qkv_dev.cpu(), qkv)  # the projection is read, not normalised in place
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_ref = rope_write_kv_ref(
+        qkv, positions, table, heads, kv_heads, kc_ref, vc_ref, slots, (q_w, k_w, 1e-6, 1.0)
+    )
+    _close(q, q_ref, dtype)
+    _close(kc_dev, kc_ref, dtype)
+    assert torch.equal(vc_dev.cpu(), vc_ref)
+    # The reference is the unfused pair: the in-place head norms, then the plain rotation.
+    normed = rms_norm_heads_ref(qkv.clone(), q_w, 1e-6, 1.0, 0, head_dim, heads)
+    normed = rms_norm_heads_ref(normed, k_w, 1e-6, 1.0, heads * head_dim, head_dim, kv_heads)
+    kc2, vc2 = kc.clone(), vc.clone()
+    assert torch.equal(q_ref, rope_write_kv_ref(normed, positions, table, heads, kv_heads, kc2, vc2, slots))
+    assert torch.equal(kc_ref, kc2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,width", [(1, 4), (3, 1500), (9, 256)])
 def test_gelu_tanh_and_mul(on_device, dtype, rows, width):
     gen = torch.Generator().manual_seed(width + 7)
