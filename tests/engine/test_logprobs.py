@@ -54,6 +54,29 @@ def test_device_function_equals_per_row_reference_with_controls():
     assert unpack_logprobs(pack_logprobs(ids, lps, ranks))[0].tolist() == ids.tolist()
 
 
+@pytest.mark.parametrize("v", [3 * 4096, 5 * 4096 + 123])  # the chunked reductions, with and without a tail
+def test_device_function_at_a_large_vocabulary_equals_log_softmax(v):
+    """Over column chunks (logsumexp, then topk of each chunk's top k): the same ids, ranks and values
+    as one log_softmax and topk of the whole row, in float64."""
+    gen = torch.Generator().manual_seed(v)
+    b = 4
+    logits = torch.randn(b, v, generator=gen) * 4
+    logits[1, v - 5 :] = 30.0 + torch.arange(5.0)  # row 1's top ids all in the tail (or the last chunk)
+    logits[2, 100] = float("-inf")
+    sampled = torch.tensor([7, v - 1, 100, 4096])
+    packed = compute_logprobs(logits, sampled).numpy()
+    for i in range(b):
+        ref = torch.log_softmax(logits[i].double(), -1)
+        tok = int(sampled[i])
+        lp = packed[i, LP_COL : LP_COL + 21].view(np.float32)
+        assert lp[0] == ref[tok].item() or abs(lp[0] - ref[tok].item()) < 1e-4
+        assert packed[i, RANK_COL] == int((ref > ref[tok]).sum()) + 1
+        top = torch.topk(ref, 20)
+        assert packed[i, ID_COL + 1 : ID_COL + 21].tolist() == top.indices.tolist()
+        np.testing.assert_allclose(lp[1:], top.values.numpy(), atol=1e-4)
+    assert packed[1, ID_COL + 1] == v - 1 and packed[2, RANK_COL] == v  # -inf ranks last
+
+
 def test_validation():
     for bad in (-1, 21, 1.5):
         with pytest.raises(InvalidRequest):
