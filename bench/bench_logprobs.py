@@ -73,6 +73,13 @@ def main() -> None:
         "topk 20, whole rows": lambda: torch.topk(logits, MAX_LOGPROBS, dim=1),
         "topk 20, chunked": lambda: _row_topk(logits, MAX_LOGPROBS),
         "rank: compare and count": lambda: (logits > logits[:, :1]).sum(dim=1),
+        "rank: count_nonzero": lambda: torch.count_nonzero(logits > logits[:, :1], dim=1),
+        "rank: int32 sum": lambda: (logits > logits[:, :1]).sum(dim=1, dtype=torch.int32),
+        "rank: fp32 sum of the compare": lambda: (logits > logits[:, :1]).float().sum(dim=1),
+        "topk 20 unsorted, whole rows": lambda: torch.topk(logits, MAX_LOGPROBS, dim=1, sorted=False),
+        "topk 20, rows of 32768": lambda: torch.topk(logits.view(-1, 32768), MAX_LOGPROBS, dim=1),
+        "max (argmax) alone": lambda: torch.max(logits, dim=1),
+        "amax alone": lambda: torch.amax(logits, dim=1),
     }
     print(
         f"{torch.cuda.get_device_name()}: rows {args.rows}, vocab {args.vocab} (fp32 block "
