@@ -2,9 +2,9 @@
 
     python bench/bench_logprobs.py [--rows 64] [--vocab 262144] [--iters 50]
 
-`raystate.worker.logprobs.compute_logprobs` (what the logprobs graph variants run) against the one-pass
-formula it replaced (a log_softmax of every row, then a gather, a compare-and-count and a topk of the
-log-probabilities), and each piece of both alone: whole-row and column-chunked topk and logsumexp. Each
+`raystate.worker.logprobs.compute_logprobs` (what the logprobs graph variants run: the chunked one-pass
+kernel `raystate.kernels.logprob_stats`) against the torch formula it replaced (a log_softmax of every
+row, then a gather, a compare-and-count and a topk of the log-probabilities), and the torch pieces alone. Each
 is captured in a CUDA graph and replayed (as the decode step runs it); microseconds per call, and the
 share of the copy bandwidth for one read of the fp32 [rows, vocab] block.
 """
@@ -15,8 +15,9 @@ import argparse
 
 import torch
 
+from raystate.kernels.logprob_stats import logprob_stats
 from raystate.messages import MAX_LOGPROBS
-from raystate.worker.logprobs import _row_logsumexp, _row_topk, compute_logprobs
+from raystate.worker.logprobs import compute_logprobs
 
 
 def one_pass(logits: torch.Tensor, tok: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -65,13 +66,12 @@ def main() -> None:
     copy_us = time_graph(lambda: src.copy_(logits), args.iters)
     read_us = copy_us / 2
     cases = {
-        "compute_logprobs (chunked logsumexp + topk)": lambda: compute_logprobs(logits, tok),
+        "compute_logprobs (logprob_stats: one pass)": lambda: compute_logprobs(logits, tok),
+        "logprob_stats alone": lambda: logprob_stats(logits, tok, MAX_LOGPROBS),
         "one pass: log_softmax + gather + count + topk": lambda: one_pass(logits, tok),
         "log_softmax alone": lambda: torch.log_softmax(logits, dim=-1),
         "logsumexp, whole rows": lambda: torch.logsumexp(logits, dim=1, keepdim=True),
-        "logsumexp, chunked": lambda: _row_logsumexp(logits),
         "topk 20, whole rows": lambda: torch.topk(logits, MAX_LOGPROBS, dim=1),
-        "topk 20, chunked": lambda: _row_topk(logits, MAX_LOGPROBS),
         "rank: compare and count": lambda: (logits > logits[:, :1]).sum(dim=1),
         "rank: count_nonzero": lambda: torch.count_nonzero(logits > logits[:, :1], dim=1),
         "rank: int32 sum": lambda: (logits > logits[:, :1]).sum(dim=1, dtype=torch.int32),

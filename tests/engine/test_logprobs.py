@@ -54,10 +54,10 @@ def test_device_function_equals_per_row_reference_with_controls():
     assert unpack_logprobs(pack_logprobs(ids, lps, ranks))[0].tolist() == ids.tolist()
 
 
-@pytest.mark.parametrize("v", [3 * 4096, 5 * 4096 + 123])  # the chunked reductions, with and without a tail
+@pytest.mark.parametrize("v", [3 * 4096, 5 * 4096 + 123])  # whole chunks, and a partial last one
 def test_device_function_at_a_large_vocabulary_equals_log_softmax(v):
-    """Over column chunks (logsumexp, then topk of each chunk's top k): the same ids, ranks and values
-    as one log_softmax and topk of the whole row, in float64."""
+    """Over column chunks (`raystate.kernels.logprob_stats`): the same ids, ranks and values as one
+    log_softmax and topk of the whole row, in float64."""
     gen = torch.Generator().manual_seed(v)
     b = 4
     logits = torch.randn(b, v, generator=gen) * 4
