@@ -27,9 +27,8 @@ def logprob_stats_ref(
     logits: torch.Tensor,  # [N, V], any float dtype
     token_ids: torch.Tensor,  # int64 [N], each in [0, V)
     k: int,  # 1 <= k <= V
-) -> tuple[
-    torch.Tensor, ...
-]:  # (lse fp32 [N], token logit fp32 [N], rank int64 [N], top fp32 [N, k], ids int64 [N, k])
+) -> tuple[torch.Tensor, ...]:
+    """`logprob_stats` by whole-row torch reductions (the same five tensors)."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=1)
     tok = x.gather(1, token_ids.unsqueeze(1)).squeeze(1)

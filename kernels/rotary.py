@@ -59,8 +59,8 @@ def rope_write_kv_ref(
     k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # int64 [>= T]
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float]
-    | None = None,  # (q gain [D], k gain [D], eps, offset)
+    # (q gain [D], k gain [D], eps, weight offset): each q and k head RMSNormed before the rotation
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None,
 ) -> torch.Tensor:  # q [T, H, D], rotated
     num_tokens = qkv.shape[0]
     head_dim = cos_sin.shape[1]

@@ -19,7 +19,7 @@ from raystate.config import ModelConfig
 from raystate.kernels.activation import act_and_mul
 from raystate.kv_layout import KVCacheGroupSpec, kv_cache_group_specs
 from raystate.model.attention import Attention, ForwardMetadata
-from raystate.model.layers import RMSNorm, TokenEmbedding, rotary_table
+from raystate.model.layers import RMSNorm, TokenEmbedding, logits_fp32, rotary_table
 
 
 class GatedMLP(nn.Module):
@@ -198,11 +198,5 @@ class DecoderLM(nn.Module):
             pending_norm = layer.output_norm
         return self.final_norm.add_and_norm(hidden, residual, pending_norm)[0]
 
-    def compute_logits(
-        self,
-        hidden: torch.Tensor,  # [N, hidden]
-        out: torch.Tensor | None = None,  # fp32 [N, vocab]: written in place (the CUDA graph's buffer)
-    ) -> torch.Tensor:  # fp32 [N, vocab]
-        """The head's output in fp32; into `out` by the one converting copy, without an fp32 temporary."""
-        logits = self.lm_head(hidden)
-        return logits.float() if out is None else out.copy_(logits)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return logits_fp32(self.lm_head, hidden, out)  # [N, hidden] -> fp32 [N, vocab]

@@ -14,7 +14,7 @@ from raystate.kernels.activation import silu_and_mul
 from raystate.kernels.norm import rms_norm
 from raystate.model.rope import apply_rotary, rotary_table
 
-__all__ = ["RMSNorm", "SwiGLU", "TokenEmbedding", "apply_rotary", "rotary_table"]
+__all__ = ["RMSNorm", "SwiGLU", "TokenEmbedding", "apply_rotary", "logits_fp32", "rotary_table"]
 
 
 class RMSNorm(nn.Module):
@@ -65,3 +65,13 @@ class TokenEmbedding(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # int [T] -> [T, hidden]
         return F.embedding(token_ids.long(), self.weight)
+
+
+def logits_fp32(
+    lm_head: nn.Linear,
+    hidden: torch.Tensor,  # [N, hidden]
+    out: torch.Tensor | None = None,  # fp32 [N, vocab]: written in place (the decode graph's buffer)
+) -> torch.Tensor:  # fp32 [N, vocab]
+    """The head's output in fp32; into `out` by the one converting copy, without an fp32 temporary."""
+    logits = lm_head(hidden)
+    return logits.float() if out is None else out.copy_(logits)

@@ -18,6 +18,21 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(a.float().cpu(), b.float().cpu(), atol=tol, rtol=tol)
 
 
+def _rope_on_device(on_device, qkv, positions, table, heads, kv_heads, k_cache, v_cache, slots, qk_norm=None):
+    """rope_write_kv on the device: qkv and the caches already there, the CPU index tensors copied."""
+    return rope_write_kv(
+        qkv,
+        on_device(positions),
+        on_device(table),
+        heads,
+        kv_heads,
+        k_cache,
+        v_cache,
+        on_device(slots),
+        qk_norm,
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 8), (5, 130), (17, 2048)])
 def test_rms_norm_with_and_without_residual(on_device, dtype, shape):
@@ -96,17 +111,7 @@ def test_rope_write_kv_with_qk_norm_equals_norm_then_rotate(on_device, dtype, he
     kc_dev, vc_dev = on_device(kc), on_device(vc)
     qkv_dev = on_device(qkv)
     norm = (on_device(q_w), on_device(k_w), 1e-6, 1.0)
-    q = rope_write_kv(
-        qkv_dev,
-        on_device(positions),
-        on_device(table),
-        heads,
-        kv_heads,
-        kc_dev,
-        vc_dev,
-        on_device(slots),
-        norm,
-    )
+    q = _rope_on_device(on_device, qkv_dev, positions, table, heads, kv_heads, kc_dev, vc_dev, slots, norm)
     assert torch.equal(qkv_dev.cpu(), qkv)  # the projection is read, not normalised in place
     kc_ref, vc_ref = kc.clone(), vc.clone()
     q_ref = rope_write_kv_ref(
@@ -161,16 +166,7 @@ def test_rope_write_kv_matches_reference_and_skips_pad_slots(on_device, dtype, h
     kc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     vc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     kc_dev, vc_dev = on_device(kc), on_device(vc)
-    q = rope_write_kv(
-        on_device(qkv),
-        on_device(positions),
-        on_device(table),
-        heads,
-        kv_heads,
-        kc_dev,
-        vc_dev,
-        on_device(slots),
-    )
+    q = _rope_on_device(on_device, on_device(qkv), positions, table, heads, kv_heads, kc_dev, vc_dev, slots)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     q_ref = rope_write_kv_ref(qkv, positions, table, heads, kv_heads, kc_ref, vc_ref, slots)
     _close(q, q_ref, dtype)
