@@ -123,5 +123,6 @@ def logprob_stats(
     # Candidates are chunk by chunk, each chunk's largest first with ties to the lower id: a stable sort
     # keeps ties to the lower id across chunks too, so a shortfall (-1) never outranks a real column.
     top, order = torch.sort(top.view(n, c * k), dim=1, descending=True, stable=True)
-    ids = top_ids.view(n, c * k).gather(1, order[:, :k]).long()
+    # A row of NaN (a failed row) takes no column; id 0 keeps every id valid (-1 would read as padding).
+    ids = top_ids.view(n, c * k).gather(1, order[:, :k]).long().clamp_(min=0)
     return lse, token_logit, rank, top[:, :k], ids

@@ -50,3 +50,11 @@ def test_ties_infinities_and_short_rows(on_device):
     assert ids[1, :3].tolist() == [4000, 3, CHUNK + 10] and ids[1, 3:].tolist() == [0, 1, 2, *range(4, 18)]
     assert ids[2].tolist() == list(range(20)) and rank[2] == 1
     assert lse[3] == float("-inf") and ids[3].tolist() == list(range(20))
+
+
+def test_a_nan_row_keeps_valid_ids(on_device):
+    """A failed row's logits (NaN) give NaN statistics but ids in range, never the -1 of padding."""
+    logits = torch.randn(2, CHUNK + 9, generator=torch.Generator().manual_seed(5))
+    logits[1] = float("nan")
+    _, _, _, _, ids = logprob_stats(on_device(logits), on_device(torch.tensor([0, 1])), 20)
+    assert ((ids >= 0) & (ids < logits.shape[1])).all()
