@@ -49,9 +49,10 @@ def test_serve_prints_url_serves_and_stops_on_ctrl_c():
     port = free_port()
     env = {**os.environ, "RAYSTATE_KERNELS": "reference", "PYTHONUNBUFFERED": "1"}
     env.pop("RAYSTATE_API_KEY", None)
-    # Two ingress replicas: with direct HTTP (the default) both listen on the port (SO_REUSEPORT).
+    # Two ingress replicas: with direct HTTP (the default) both listen on the port (SO_REUSEPORT). No
+    # Ray dashboard: its line is printed only when the local Ray starts one.
     cmd = [sys.executable, "-m", "raystate", "serve", "--port", str(port), "--api-key", KEY, "--name", "cli"]
-    cmd += ["--num-replicas", "2"]
+    cmd += ["--num-replicas", "2", "--no-ray-dashboard"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
@@ -61,6 +62,7 @@ def test_serve_prints_url_serves_and_stops_on_ctrl_c():
         assert f"{url}/v1" in out
         assert "2 ingress replica(s)" in out and "shard 0 start-up: weights" in out
         assert "curl" in out and "Authorization: Bearer" in out
+        assert "Ray dashboard" not in out  # --no-ray-dashboard: the local Ray started without it
 
         body = {"model": "tiny", "prompt": "F1 cli", "max_tokens": 4, "temperature": 0}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 401
