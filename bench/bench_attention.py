@@ -237,15 +237,43 @@ SPLIT_CASES = (
 NOISE = 0.03  # relative time difference taken as run-to-run noise in a CUDA-graph timing
 
 
-def split_variants(problem: Problem, sweep: bool) -> dict[str, AttentionLaunch | None]:
-    """'current' (no split: today's path), 'policy' (the default launch) and, where the policy splits,
-    the same split count on 64-key steps; with `sweep`, also half / double / quadruple the split count,
-    64- and 128-key steps, and 128 / 512 keys per split at least (tuning data for attention_launch)."""
+def split_variants(problem: Problem, sweep: bool, tune: bool = False) -> dict[str, AttentionLaunch | None]:
+    """'current' (no split: today's path), 'policy' (the default launch: one launch, the last split of a
+    row combines) and, where the policy splits, the same plan with the combine in a second launch (as it
+    was before) and the same split count on 64-key steps; with `sweep`, also half / double / quadruple
+    the split count, 64- and 128-key steps, and 128 / 512 keys per split at least; with `tune`, the
+    policy's and twice its split count at 4 / 8 warps and 2-4 stages (tuning data for attention_launch)."""
     current = problem.current_launch()
     variants: dict[str, AttentionLaunch | None] = {"current": current, "policy": None}
-    splits = problem.policy_plan().kv_splits
+    plan = problem.policy_plan()
+    splits = plan.kv_splits
     if splits > 1:
+        variants["policy 2-launch"] = AttentionLaunch(
+            block_n=plan.tile[2],
+            num_warps=plan.num_warps,
+            num_stages=plan.num_stages,
+            row_programs=True,
+            kv_splits=splits,
+            split_min_keys=plan.split_min_keys,
+            fused_reduce=False,
+        )
         variants[f"S{splits} N64"] = AttentionLaunch(block_n=64, row_programs=True, kv_splits=splits)
+    if tune and splits > 1:
+        for s in (splits, 2 * splits):
+            for n in (64, 128):
+                for warps in (4, 8):
+                    for stages in (2, 3, 4):
+                        variants.setdefault(
+                            f"S{s} N{n} w{warps} s{stages}",
+                            AttentionLaunch(
+                                block_n=n,
+                                num_warps=warps,
+                                num_stages=stages,
+                                row_programs=True,
+                                kv_splits=s,
+                                split_min_keys=128,
+                            ),
+                        )
     if sweep:
         base = max(splits, 2)
         for s in sorted({max(2, base // 2), base, 2 * base, 4 * base}):
@@ -266,7 +294,8 @@ def split_decode(args, hbm) -> list[dict]:
     flagged (expected only as noise where the policy does not split: the same kernel runs)."""
     heads = argparse.Namespace(**{**vars(args), "q_heads": 16, "kv_heads": 4, "head_dim": 128})
     rows = []
-    for batch, context, window in SPLIT_CASES:
+    cases = [c for c in SPLIT_CASES if c[0] < 64] if args.split_tune else SPLIT_CASES
+    for batch, context, window in cases:
         one = Problem(batch, 1, context, window, heads)
         copies = [one] + [
             Problem(batch, 1, context, window, heads) for _ in range(max(1, (160 << 20) // one.kv_bytes()))
@@ -274,7 +303,8 @@ def split_decode(args, hbm) -> list[dict]:
         ref = one.run(one.current_launch()).clone()
         splits = one.policy_plan().kv_splits
         row = {"case": f"B={batch} ctx={context} W={window}", "kv_MB": one.kv_bytes() / 1e6, "splits": splits}
-        for name, launch in split_variants(one, args.split_sweep).items():
+        variants = split_variants(one, args.split_sweep, args.split_tune)
+        for name, launch in variants.items():
             try:
                 diff = (one.run(launch).float() - ref.float()).abs().max().item()
                 assert diff < 2e-2, f"{name}: differs from the current path by {diff}"
@@ -292,7 +322,7 @@ def split_decode(args, hbm) -> list[dict]:
             f"{n}: {row[n]:.2f} us ({row[n + ' of_hbm']:.2f})"
             if isinstance(row[n], float)
             else f"{n}: {row[n]}"
-            for n in split_variants(one, args.split_sweep)
+            for n in variants
         ]
         flag = "  SLOWER THAN CURRENT" if row["slower"] else ""
         print(f"{row['case']:<24} S={splits:<3} x{ratio:.3f}{flag}  " + "  ".join(cells), flush=True)
@@ -304,6 +334,52 @@ def split_decode(args, hbm) -> list[dict]:
         if not slower
         else f"slower than the current path by more than {NOISE:.0%}: {', '.join(slower)}"
     )
+    return rows
+
+
+# Gemma-3-4B's decode attention at batch 64, 4k context: (batch, context, window); 29 of its 34 layers
+# slide over 1024 keys, and 64 rows x 4 kv heads are 256 programs, just under the split rule's 264.
+WIDE_HEAD_CASES = ((64, 4096, 1024), (64, 4096, 0))
+
+
+def wide_head_decode(args, hbm) -> list[dict]:
+    """Gemma-3-4B's heads (8 q / 4 kv of 256): the default launch (one program per row and kv head)
+    against 2 and 4 splits per row (one launch, fused combine) at 32- and 64-key steps and 2-4 stages, in
+    CUDA graphs over enough copies that every call reads HBM. Variants that do not fit shared memory
+    print their error."""
+    heads = argparse.Namespace(**{**vars(args), "q_heads": 8, "kv_heads": 4, "head_dim": 256})
+    variants: dict[str, AttentionLaunch | None] = {"default": None}
+    for splits in (1, 2, 4):
+        for n in (32, 64):
+            for stages in (2, 3, 4):
+                variants[f"S{splits} N{n} s{stages}"] = AttentionLaunch(
+                    block_n=n, num_stages=stages, row_programs=True, kv_splits=splits, split_min_keys=128
+                )
+    rows = []
+    for batch, context, window in WIDE_HEAD_CASES:
+        one = Problem(batch, 1, context, window, heads)
+        copies = [one] + [
+            Problem(batch, 1, context, window, heads) for _ in range(max(1, (160 << 20) // one.kv_bytes()))
+        ]
+        ref = one.run().clone()
+        row = {"case": f"D=256 B={batch} ctx={context} W={window}", "kv_MB": one.kv_bytes() / 1e6}
+        for name, launch in variants.items():
+            try:
+                diff = (one.run(launch).float() - ref.float()).abs().max().item()
+                assert diff < 2e-2, f"{name}: differs from the default by {diff}"
+                us = graph_time_us(lambda i, L=launch, c=copies: c[i % len(c)].run(L), 2 * len(copies))
+            except Exception as exc:  # out of shared memory, ...
+                row[name] = _error_line(exc)
+                continue
+            row[name] = us
+            row[f"{name} of_hbm"] = one.kv_bytes() / (us * 1e-6) / hbm
+        rows.append(row)
+        timed = sorted((n for n in variants if isinstance(row[n], float)), key=lambda n: row[n])
+        print(f"{row['case']:<28} default: {row['default']:.2f} us ({row['default of_hbm']:.2f})", flush=True)
+        for n in timed[:8]:
+            print(f"    {n:<16} {row[n]:.2f} us ({row[n + ' of_hbm']:.2f})", flush=True)
+        del copies
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -464,6 +540,14 @@ def main() -> None:
         "--split-sweep", action="store_true", help="also time split counts, key steps, keys per split"
     )
     parser.add_argument(
+        "--split-tune", action="store_true", help="also time warps and stages of small split batches"
+    )
+    parser.add_argument(
+        "--split-only",
+        action="store_true",
+        help="only the split-KV cases and Gemma-3-4B's heads (no layouts, default table or prefill)",
+    )
+    parser.add_argument(
         "--max-model-len",
         type=int,
         default=0,
@@ -475,10 +559,20 @@ def main() -> None:
     hbm = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {hbm / 1e9:.0f} GB/s")
     sweep_rows = sweep(args, hbm) if args.sweep else []
-    print("\n== decode layouts (us per call in a CUDA graph, share of copy bandwidth)")
-    layout_rows = decode_layouts(args, hbm)
+    layout_rows = []
+    if not args.split_only:
+        print("\n== decode layouts (us per call in a CUDA graph, share of copy bandwidth)")
+        layout_rows = decode_layouts(args, hbm)
     print("\n== split-KV decode, bench heads (us per call in a CUDA graph, share of copy bandwidth)")
     split_rows = split_decode(args, hbm)
+    print("\n== decode, Gemma-3-4B heads (us per call in a CUDA graph, share of copy bandwidth; fastest 8)")
+    wide_rows = wide_head_decode(args, hbm)
+    if args.split_only:
+        if args.json:
+            with open(args.json, "w") as f:
+                payload = {"device": torch.cuda.get_device_name(), "args": vars(args)}
+                json.dump({**payload, "split_decode": split_rows, "wide_head_decode": wide_rows}, f, indent=1)
+        return
     rows = []
     for batch, context in [(1, 8192), (8, 8192), (64, 4096), (256, 2048), (128, 8192)]:
         rows.append(bench_decode(batch, context, 0, args, hbm))
@@ -502,6 +596,7 @@ def main() -> None:
                 "rows": rows,
                 "decode_layouts": layout_rows,
                 "split_decode": split_rows,
+                "wide_head_decode": wide_rows,
             }
             if sweep_rows:
                 payload["sweep"] = sweep_rows

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import time
 
@@ -148,13 +149,15 @@ def run(
 # (label, CUDA graphs, async scheduling, variant): "unguarded" replaces the graph's checked greedy step
 # with a plain argmax, to show the guard's cost side by side; "logprobs 5" asks every request for its
 # sampled token's logprob and the top 5 (the logprobs variant of the graphs); "no split-KV" turns the
-# split-KV decode attention off (one program per row and kv head), its before/after. The last two are
-# run only when named in --configs.
+# split-KV decode attention off (one program per row and kv head), its before/after; "2-launch split-KV"
+# combines the splits' partials in a second launch, as before the fused combine. The last three are run
+# only when named in --configs.
 CONFIGS = (
     ("graphs + async", True, True, "default"),
     ("graphs + async, unguarded argmax", True, True, "unguarded"),
     ("graphs + async + logprobs 5", True, True, "logprobs"),
     ("graphs + async + no split-KV", True, True, "no_split"),
+    ("graphs + async + 2-launch split-KV", True, True, "split_2launch"),
     ("graphs", True, False, "default"),
     ("eager", False, False, "default"),
 )
@@ -224,15 +227,28 @@ def main() -> None:
         plot(args.plot, medians, floor, args, name)
 
 
-OPT_IN_VARIANTS = ("logprobs", "no_split")
+OPT_IN_VARIANTS = ("logprobs", "no_split", "split_2launch")
 
 
 @contextlib.contextmanager
 def step_variant(variant: str):
     """ "unguarded": the graph's greedy step without the non-finite-row guard (a plain argmax), for its
-    cost; "no_split": no split-KV decode attention; "default" and "logprobs": as shipped."""
+    cost; "no_split": no split-KV decode attention; "split_2launch": split-KV with the partials combined
+    by a second launch (as before the fused combine); "default" and "logprobs": as shipped."""
     if variant in ("default", "logprobs"):
         yield
+        return
+    if variant == "split_2launch":
+        from raystate.kernels import attention_launch
+
+        saved_launches = attention_launch.DECODE_LAUNCH, attention_launch.DECODE_SHORT_STEP_LAUNCH
+        attention_launch.DECODE_LAUNCH, attention_launch.DECODE_SHORT_STEP_LAUNCH = (
+            dataclasses.replace(launch, fused_reduce=False) for launch in saved_launches
+        )
+        try:
+            yield
+        finally:
+            attention_launch.DECODE_LAUNCH, attention_launch.DECODE_SHORT_STEP_LAUNCH = saved_launches
         return
     if variant == "no_split":
         from raystate.kernels import attention_launch

@@ -2,7 +2,7 @@
 # Everything that needs the GPU machine (one H200), in one call: the CUDA tests, then every GPU benchmark,
 # logs, JSON and plots into $OUT (or ./out). From the repo root, with .whl/ carried
 # (../shared/device/make-wheels.sh builds it):
-#   bash bench/gpu_run.sh [tests|dispatch|attention|gemm|kernels|decode|decode_small|logprobs|prefix|throughput|hf|cold ...]
+#   bash bench/gpu_run.sh [tests|dispatch|attention|attention_split|blas|gemm|kernels|decode|decode_small|logprobs|prefix|throughput|hf|cold ...]
 #   (default: all but hf, cold, decode_small and logprobs)
 set -o pipefail
 . bench/gpu_setup.sh || exit 1
@@ -25,6 +25,11 @@ for part in $parts; do
         | tee "$OUT/dispatch.log" | tail -8 ;;
     attention)
       timeout 300 python3 bench/bench_attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
+    attention_split)  # split-KV cases (fused combine against two launches, warps/stages) and Gemma's heads
+      timeout 300 python3 bench/bench_attention.py --split-only --split-tune --json "$OUT/attention_split.json" 2>&1 \
+        | tee "$OUT/attention_split.log" | tail -60 ;;
+    blas)  # the decode projections under cuBLAS and cuBLASLt
+      timeout 200 python3 bench/bench_blas.py --json "$OUT/blas.json" 2>&1 | tee "$OUT/blas.log" | tail -40 ;;
     cold)  # LLM(...) to its first token by phase, cold and warm Triton cache
       timeout 400 python3 bench/bench_cold_start.py --json "$OUT/cold_start.json" 2>&1 | tee "$OUT/cold_start.log" | tail -6 ;;
     gemm)
@@ -38,7 +43,8 @@ for part in $parts; do
     decode_small)  # issue 17: batch 1 and 8 at 4k context, split-KV decode attention on and off
       for b in 1 8; do
         timeout 200 python3 bench/bench_decode.py --batch $b --context 4096 --steps 48 \
-          --configs "graphs + async,graphs + async + no split-KV" 2>&1 | tee "$OUT/decode_b$b.log" | grep decode
+          --configs "graphs + async,graphs + async + 2-launch split-KV,graphs + async + no split-KV" 2>&1 \
+          | tee "$OUT/decode_b$b.log" | grep decode
       done ;;
     logprobs)  # issue 16: what logprobs (sampled + top 5) add to a batch-64 decode step
       timeout 200 python3 bench/bench_decode.py --batch 64 --context 2048 --steps 48 \

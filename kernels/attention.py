@@ -475,13 +475,25 @@ def _paged_attention_split_kernel(
     acc_strides,  # acc's (token, head, split, dim)
     ml_strides,  # ml's (token, head, split, [m, l])
     bt_strides,
+    out_ptr,  # [T, H_q, D]; written here only with FUSED_REDUCE
+    o_strides,
+    arrivals_ptr,  # int32 [>= B * H_kv], zero between launches; read only with FUSED_REDUCE
     SHAPE: tl.constexpr,
     TILE: tl.constexpr,  # the row layout's (BLOCK_Q, BLOCK_M, BLOCK_N, True)
+    FUSED_REDUCE: tl.constexpr,  # the last split of a (row, kv head) to finish combines the partials
+    CHUNK_S: tl.constexpr,  # splits combined per step (_combine_splits)
 ):
     """Split-KV row layout, grid (B, H_kv, S): program (row, kv head, split) runs every query tile of the
-    row over split `split` of each tile's keys and stores the partials; _split_reduce_kernel combines
-    them. S comes from the host (the grid), never from seq_lens: CUDA-graph safe."""
+    row over split `split` of each tile's keys and stores the partials. With FUSED_REDUCE the program
+    that arrives last for its (row, kv head) (an atomic counter) combines them into the output in split
+    order, so the result does not depend on which one that is, and re-arms the counter for the next
+    launch: one launch instead of two (a graph node and a launch gap fewer). Without it,
+    _split_reduce_kernel combines them in a second launch. S comes from the host (the grid), never from
+    seq_lens: CUDA-graph safe."""
     HAS_FLOOR: tl.constexpr = SHAPE[4]
+    HEAD_DIM: tl.constexpr = SHAPE[0]
+    BLOCK_D: tl.constexpr = SHAPE[1]
+    GROUP: tl.constexpr = SHAPE[3]
     BLOCK_Q: tl.constexpr = TILE[0]
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -509,6 +521,75 @@ def _paged_attention_split_kernel(
             SHAPE,
             TILE,
         )
+    if FUSED_REDUCE:
+        tl.debug_barrier()  # every thread's partials are written before the count says so
+        arrivals = arrivals_ptr + row * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:  # the last of this row's splits: every partial is in memory
+            offs_d = tl.arange(0, BLOCK_D)
+            d_valid = offs_d < HEAD_DIM  # [BLOCK_D]
+            for t in range(q_len * 0, q_len):  # once for a decode row
+                token = (q_start + t).to(tl.int64)
+                for g in tl.static_range(GROUP):  # unrolled: the heads' loads can overlap
+                    head = kv_head * GROUP + g
+                    _combine_splits(
+                        ml_ptr + token * ml_strides[0] + head * ml_strides[1],
+                        acc_ptr + token * acc_strides[0] + head * acc_strides[1],
+                        out_ptr + token * o_strides[0] + head * o_strides[1] + offs_d * o_strides[2],
+                        num_splits,
+                        (ml_strides[2], ml_strides[3], acc_strides[2], acc_strides[3]),
+                        offs_d,
+                        d_valid,
+                        HEAD_DIM,
+                        CHUNK_S,
+                    )
+            tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
+
+
+@triton.jit
+def _combine_splits(
+    ml_row,  # this query and head's partials: [S, (m, l)]
+    acc_row,  # [S, D]
+    o_ptrs,  # [BLOCK_D]: its output
+    num_splits,
+    strides,  # (ml's split and m/l strides, acc's split and dim strides)
+    offs_d,  # [BLOCK_D]
+    store_mask,  # [BLOCK_D]
+    HEAD_DIM: tl.constexpr,
+    CHUNK_S: tl.constexpr,
+):
+    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s, online over chunks of
+    CHUNK_S splits in split order. Splits with m_s = -inf (empty) weigh 0 and their acc (never written)
+    is discarded with a select, not a load mask, so every load of a chunk issues at once; a query that
+    saw no key at all gets 0 (as the one-launch kernel). The loads bypass L1 (.cg): other programs wrote
+    the partials."""
+    ml_split, ml_l, acc_split, acc_dim = strides
+    offs_c = tl.arange(0, CHUNK_S)
+    d_valid = offs_d < HEAD_DIM
+    m_run = tl.max(tl.full([CHUNK_S], float("-inf"), tl.float32), 0)  # fp32 scalar
+    l_run = tl.sum(tl.zeros([CHUNK_S], tl.float32), 0)
+    out = tl.zeros(offs_d.shape, tl.float32)  # [BLOCK_D]
+    for s0 in range(0, num_splits, CHUNK_S):
+        offs_s = s0 + offs_c
+        s_valid = offs_s < num_splits
+        s_ptrs = ml_row + offs_s * ml_split
+        m_s = tl.load(s_ptrs, mask=s_valid, other=float("-inf"), cache_modifier=".cg")  # [CHUNK_S]
+        l_s = tl.load(s_ptrs + ml_l, mask=s_valid, other=0.0, cache_modifier=".cg")
+        a_ptrs = acc_row + offs_s[:, None] * acc_split + offs_d[None, :] * acc_dim
+        acc_s = tl.load(
+            a_ptrs, mask=s_valid[:, None] & d_valid[None, :], other=0.0, cache_modifier=".cg"
+        )  # [CHUNK_S, BLOCK_D]
+        seen = m_s > float("-inf")
+        acc_s = tl.where(seen[:, None], acc_s, 0.0)
+        m_new = tl.maximum(m_run, tl.max(m_s, 0))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_shift)
+        weight = tl.exp2(m_s - m_shift)  # 0 where empty
+        l_run = l_run * alpha + tl.sum(tl.where(seen, weight * l_s, 0.0), 0)
+        out = out * alpha + tl.sum(acc_s * weight[:, None], 0)
+        m_run = m_new
+    out = out / tl.where(l_run > 0.0, l_run, 1.0)
+    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_splits"])
@@ -526,43 +607,24 @@ def _split_reduce_kernel(
     BLOCK_D: tl.constexpr,
     CHUNK_S: tl.constexpr,  # splits combined per step: all of them (S <= CHUNK_S) in one step
 ):
-    """Grid (T, H_q): combines the S partials of one query token and head into its output:
-    out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s, online over chunks of
-    CHUNK_S splits. Splits with m_s = -inf (empty) weigh 0 and their acc (never written) is discarded
-    with a select, not a load mask, so every load of a chunk issues at once; a query that saw no key at
-    all gets 0 (as the one-launch kernel). Tokens past query_start_loc[B] (padding) are not written."""
+    """Grid (T, H_q): combines the S partials of one query token and head into its output
+    (_combine_splits). Tokens past query_start_loc[B] (padding) are not written."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     num_real = tl.load(query_start_loc_ptr + num_rows)  # tokens past it are padding
-    ml_row = ml_ptr + token * ml_strides[0] + head * ml_strides[1]
-    acc_row = acc_ptr + token * acc_strides[0] + head * acc_strides[1]
-    offs_c = tl.arange(0, CHUNK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    d_valid = offs_d < HEAD_DIM
     real = (offs_d * 0 + token) < num_real  # [BLOCK_D]: this token, broadcast to the store's shape
-    m_run = tl.max(tl.full([CHUNK_S], float("-inf"), tl.float32), 0)  # fp32 scalar
-    l_run = tl.sum(tl.zeros([CHUNK_S], tl.float32), 0)
-    out = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, CHUNK_S):
-        offs_s = s0 + offs_c
-        s_valid = offs_s < num_splits
-        s_ptrs = ml_row + offs_s * ml_strides[2]
-        m_s = tl.load(s_ptrs, mask=s_valid, other=float("-inf"))  # [CHUNK_S]
-        l_s = tl.load(s_ptrs + ml_strides[3], mask=s_valid, other=0.0)
-        a_ptrs = acc_row + offs_s[:, None] * acc_strides[2] + offs_d[None, :] * acc_strides[3]
-        acc_s = tl.load(a_ptrs, mask=s_valid[:, None] & d_valid[None, :], other=0.0)  # [CHUNK_S, BLOCK_D]
-        seen = m_s > float("-inf")
-        acc_s = tl.where(seen[:, None], acc_s, 0.0)
-        m_new = tl.maximum(m_run, tl.max(m_s, 0))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_shift)
-        weight = tl.exp2(m_s - m_shift)  # 0 where empty
-        l_run = l_run * alpha + tl.sum(tl.where(seen, weight * l_s, 0.0), 0)
-        out = out * alpha + tl.sum(acc_s * weight[:, None], 0)
-        m_run = m_new
-    out = out / tl.where(l_run > 0.0, l_run, 1.0)
-    o_ptrs = out_ptr + token * o_strides[0] + head * o_strides[1] + offs_d * o_strides[2]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_valid & real)
+    _combine_splits(
+        ml_ptr + token * ml_strides[0] + head * ml_strides[1],
+        acc_ptr + token * acc_strides[0] + head * acc_strides[1],
+        out_ptr + token * o_strides[0] + head * o_strides[1] + offs_d * o_strides[2],
+        num_splits,
+        (ml_strides[2], ml_strides[3], acc_strides[2], acc_strides[3]),
+        offs_d,
+        (offs_d < HEAD_DIM) & real,
+        HEAD_DIM,
+        CHUNK_S,
+    )
 
 
 def _paged_attention_triton(
@@ -632,6 +694,32 @@ def _paged_attention_triton(
     return out
 
 
+# Per device, the split kernel's arrival counters (int32, zero between launches: each launch's last
+# program of a (row, kv head) re-arms its own). A CUDA graph keeps the address it captured, so a buffer
+# that grows is replaced, never freed: _RETIRED holds the old ones.
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+_MIN_ARRIVALS = 4096  # the policy splits only launches of at most one (row, kv head) per multiprocessor
+
+
+def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """At least `needed` zeroed counters on `device`, the same tensor for every launch that fits it.
+    Growing one inside a CUDA graph capture would record a memset into the graph and allocate from its
+    pool: refused (the policy's launches need at most one counter per multiprocessor)."""
+    have = _ARRIVALS.get(device)
+    if have is not None and have.numel() >= needed:
+        return have
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"split-KV attention needs {needed} arrival counters, {0 if have is None else have.numel()} "
+            "exist, and none can be allocated during CUDA graph capture: run the launch once before capturing"
+        )
+    if have is not None:
+        _RETIRED.append(have)
+    _ARRIVALS[device] = torch.zeros(max(needed, _MIN_ARRIVALS), dtype=torch.int32, device=device)
+    return _ARRIVALS[device]
+
+
 def _split_attention(
     args: tuple,
     plan: LaunchPlan,
@@ -640,9 +728,10 @@ def _split_attention(
     out: torch.Tensor,
     compile_only: bool,
 ) -> None:
-    """The split-KV path: the partials kernel over grid (B, H_kv, S), then the reduction over (T, H_q).
-    The partials are one fp32 buffer of T x H_q x S x (D + 2), sized from host values only (so a CUDA
-    graph captures its allocation from the graph's pool); nothing of it is read before it is written."""
+    """The split-KV path: the partials kernel over grid (B, H_kv, S), which combines them itself
+    (plan.fused_reduce) or leaves that to a second launch over (T, H_q). The partials are one fp32
+    buffer of T x H_q x S x (D + 2), sized from host values only (so a CUDA graph captures its allocation
+    from the graph's pool); nothing of it is read before it is written."""
     query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, sliding_window, _, _ = args
     num_tokens, num_q_heads, head_dim = query.shape
     num_rows = seq_lens.shape[0]
@@ -660,6 +749,9 @@ def _split_attention(
         run_reduce = functools.partial(reduce_kernel.warmup, grid=reduce_grid)
     else:
         run_split, run_reduce = split_kernel[plan.grid], reduce_kernel[reduce_grid]
+    block_d = shape[1]
+    chunk_s = min(next_pow2(splits), max(1, 8192 // block_d))
+    arrivals = _arrival_counters(query.device, num_rows * k_cache.shape[2]) if plan.fused_reduce else seq_lens
     run_split(
         query,
         k_cache,
@@ -679,12 +771,18 @@ def _split_attention(
         acc.stride(),
         ml.stride(),
         block_table.stride(),
+        out,
+        out.stride(),
+        arrivals,
         SHAPE=shape,
         TILE=plan.tile,
+        FUSED_REDUCE=plan.fused_reduce,
+        CHUNK_S=chunk_s,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
-    block_d = shape[1]
+    if plan.fused_reduce:
+        return
     run_reduce(
         acc,
         ml,
@@ -697,7 +795,7 @@ def _split_attention(
         out.stride(),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        CHUNK_S=min(next_pow2(splits), max(1, 8192 // block_d)),
+        CHUNK_S=chunk_s,
         num_warps=4,
     )
 

@@ -11,6 +11,7 @@ span, below a floor or outside a window shows up as a non-finite output.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -40,8 +41,10 @@ def split_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def split_launch(splits: int, block_n: int = 16, min_keys: int = 16) -> AttentionLaunch:
-    return AttentionLaunch(block_n=block_n, row_programs=True, kv_splits=splits, split_min_keys=min_keys)
+def split_launch(splits: int, block_n: int = 16, min_keys: int = 16, fused: bool = True) -> AttentionLaunch:
+    return AttentionLaunch(
+        block_n=block_n, row_programs=True, kv_splits=splits, split_min_keys=min_keys, fused_reduce=fused
+    )
 
 
 def tol_for(dtype: torch.dtype) -> float:
@@ -184,8 +187,9 @@ def test_strided_query_and_output(device, split_calls):
     assert (out_buffer[:, :, :16] == 0).all() and (out_buffer[:, :, 48:] == 0).all()
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_decode_batches(seed, device, split_calls):
+def random_decode_batch(seed: int, device) -> tuple[PagedBatch, AttentionLaunch, float]:
+    """A random decode batch (rows, heads, head dim, blocks, window, floors, dtype), a random forced
+    split launch for it and the dtype's tolerance."""
     rng = random.Random(seed)
     num_kv_heads = rng.choice([1, 2])
     rows = rng.randint(1, 8)
@@ -205,10 +209,45 @@ def test_random_decode_batches(seed, device, split_calls):
         floors=rng.choice([None, floors]),
         dtype=dtype,
     )
-    splits = rng.randint(2, 9)
-    launch = split_launch(splits, block_n=rng.choice([16, 32]), min_keys=rng.choice([1, 16, 64]))
-    assert_matches_reference(batch, tol_for(dtype), launch=launch, max_query_len=1)
-    assert split_calls == [splits]
+    launch = split_launch(rng.randint(2, 9), block_n=rng.choice([16, 32]), min_keys=rng.choice([1, 16, 64]))
+    return batch, launch, tol_for(dtype)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_decode_batches(seed, device, split_calls):
+    batch, launch, tol = random_decode_batch(seed, device)
+    assert_matches_reference(batch, tol, launch=launch, max_query_len=1)
+    assert split_calls == [launch.kv_splits]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fused_reduction_equals_the_second_launch(seed, device, split_calls):
+    """The last split of a (row, kv head) to finish combines the partials in the split kernel; the
+    two-launch path gives the same output (one combine routine, the same split order), every launch
+    leaves the arrival counters at zero for the next, and a repeated launch reproduces the output bit
+    for bit whichever program arrives last."""
+    batch, launch, tol = random_decode_batch(200 + seed, device)
+    n = batch.num_real_tokens
+    fused = assert_matches_reference(batch, tol, launch=launch, max_query_len=1).clone()
+    counters = attention._ARRIVALS[batch.query.device]
+    assert not counters.any()
+    assert torch.equal(batch.run(launch=launch, max_query_len=1)[:n], fused[:n])
+    two = assert_matches_reference(batch, tol, launch=replace(launch, fused_reduce=False), max_query_len=1)
+    torch.testing.assert_close(two[:n].float(), fused[:n].float(), rtol=1e-6, atol=1e-6)
+    assert not counters.any() and attention._ARRIVALS[batch.query.device] is counters
+    assert split_calls == [launch.kv_splits] * 3
+
+
+def test_arrival_counters_grow_by_replacement(device):
+    """A launch needing more counters than exist gets a new, larger zeroed buffer; the old one is kept
+    alive (a CUDA graph may hold its address)."""
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    dev = torch.empty(0, device=dev).device  # with its index, as a tensor reports it
+    first = attention._arrival_counters(dev, 8)
+    assert attention._arrival_counters(dev, 8) is first
+    bigger = attention._arrival_counters(dev, first.numel() + 1)
+    assert bigger.numel() > first.numel() and not bigger.any()
+    assert any(t is first for t in attention._RETIRED)
 
 
 # -- the launch policy ------------------------------------------------------------------------------------
