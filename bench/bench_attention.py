@@ -238,24 +238,25 @@ NOISE = 0.03  # relative time difference taken as run-to-run noise in a CUDA-gra
 
 
 def split_variants(problem: Problem, sweep: bool, tune: bool = False) -> dict[str, AttentionLaunch | None]:
-    """'current' (no split: today's path), 'policy' (the default launch: one launch, the last split of a
-    row combines) and, where the policy splits, the same plan with the combine in a second launch (as it
-    was before) and the same split count on 64-key steps; with `sweep`, also half / double / quadruple
-    the split count, 64- and 128-key steps, and 128 / 512 keys per split at least; with `tune`, the
-    policy's and twice its split count at 4 / 8 warps and 2-4 stages (tuning data for attention_launch)."""
+    """'current' (no split: today's path), 'policy' (the default launch: the partials combined by a
+    second launch) and, where the policy splits, the same plan with the combine fused into the split
+    kernel (its last program of a row combines) and the same split count on 64-key steps; with `sweep`,
+    also half / double / quadruple the split count, 64- and 128-key steps, and 128 / 512 keys per split
+    at least; with `tune`, the policy's and twice its split count at 4 / 8 warps and 2-4 stages, fused
+    (tuning data for attention_launch)."""
     current = problem.current_launch()
     variants: dict[str, AttentionLaunch | None] = {"current": current, "policy": None}
     plan = problem.policy_plan()
     splits = plan.kv_splits
     if splits > 1:
-        variants["policy 2-launch"] = AttentionLaunch(
+        variants["policy fused"] = AttentionLaunch(
             block_n=plan.tile[2],
             num_warps=plan.num_warps,
             num_stages=plan.num_stages,
             row_programs=True,
             kv_splits=splits,
             split_min_keys=plan.split_min_keys,
-            fused_reduce=False,
+            fused_reduce=True,
         )
         variants[f"S{splits} N64"] = AttentionLaunch(block_n=64, row_programs=True, kv_splits=splits)
     if tune and splits > 1:
@@ -272,6 +273,7 @@ def split_variants(problem: Problem, sweep: bool, tune: bool = False) -> dict[st
                                 row_programs=True,
                                 kv_splits=s,
                                 split_min_keys=128,
+                                fused_reduce=True,
                             ),
                         )
     if sweep:
@@ -344,7 +346,7 @@ WIDE_HEAD_CASES = ((64, 4096, 1024), (64, 4096, 0))
 
 def wide_head_decode(args, hbm) -> list[dict]:
     """Gemma-3-4B's heads (8 q / 4 kv of 256): the default launch (one program per row and kv head)
-    against 2 and 4 splits per row (one launch, fused combine) at 32- and 64-key steps and 2-4 stages, in
+    against 2 and 4 splits per row (one launch: the fused combine) at 32- and 64-key steps and 2-4 stages, in
     CUDA graphs over enough copies that every call reads HBM. Variants that do not fit shared memory
     print their error."""
     heads = argparse.Namespace(**{**vars(args), "q_heads": 8, "kv_heads": 4, "head_dim": 256})
@@ -353,7 +355,12 @@ def wide_head_decode(args, hbm) -> list[dict]:
         for n in (32, 64):
             for stages in (2, 3, 4):
                 variants[f"S{splits} N{n} s{stages}"] = AttentionLaunch(
-                    block_n=n, num_stages=stages, row_programs=True, kv_splits=splits, split_min_keys=128
+                    block_n=n,
+                    num_stages=stages,
+                    row_programs=True,
+                    kv_splits=splits,
+                    split_min_keys=128,
+                    fused_reduce=True,
                 )
     rows = []
     for batch, context, window in WIDE_HEAD_CASES:

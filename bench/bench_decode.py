@@ -149,15 +149,15 @@ def run(
 # (label, CUDA graphs, async scheduling, variant): "unguarded" replaces the graph's checked greedy step
 # with a plain argmax, to show the guard's cost side by side; "logprobs 5" asks every request for its
 # sampled token's logprob and the top 5 (the logprobs variant of the graphs); "no split-KV" turns the
-# split-KV decode attention off (one program per row and kv head), its before/after; "2-launch split-KV"
-# combines the splits' partials in a second launch, as before the fused combine. The last three are run
+# split-KV decode attention off (one program per row and kv head), its before/after; "fused split-KV"
+# combines the splits' partials in the split kernel (no second launch). The last three are run
 # only when named in --configs.
 CONFIGS = (
     ("graphs + async", True, True, "default"),
     ("graphs + async, unguarded argmax", True, True, "unguarded"),
     ("graphs + async + logprobs 5", True, True, "logprobs"),
     ("graphs + async + no split-KV", True, True, "no_split"),
-    ("graphs + async + 2-launch split-KV", True, True, "split_2launch"),
+    ("graphs + async + fused split-KV", True, True, "split_fused"),
     ("graphs", True, False, "default"),
     ("eager", False, False, "default"),
 )
@@ -227,23 +227,23 @@ def main() -> None:
         plot(args.plot, medians, floor, args, name)
 
 
-OPT_IN_VARIANTS = ("logprobs", "no_split", "split_2launch")
+OPT_IN_VARIANTS = ("logprobs", "no_split", "split_fused")
 
 
 @contextlib.contextmanager
 def step_variant(variant: str):
     """ "unguarded": the graph's greedy step without the non-finite-row guard (a plain argmax), for its
-    cost; "no_split": no split-KV decode attention; "split_2launch": split-KV with the partials combined
-    by a second launch (as before the fused combine); "default" and "logprobs": as shipped."""
+    cost; "no_split": no split-KV decode attention; "split_fused": split-KV with the partials combined
+    by the split kernel's last program (no second launch); "default" and "logprobs": as shipped."""
     if variant in ("default", "logprobs"):
         yield
         return
-    if variant == "split_2launch":
+    if variant == "split_fused":
         from raystate.kernels import attention_launch
 
         saved_launches = attention_launch.DECODE_LAUNCH, attention_launch.DECODE_SHORT_STEP_LAUNCH
         attention_launch.DECODE_LAUNCH, attention_launch.DECODE_SHORT_STEP_LAUNCH = (
-            dataclasses.replace(launch, fused_reduce=False) for launch in saved_launches
+            dataclasses.replace(launch, fused_reduce=True) for launch in saved_launches
         )
         try:
             yield

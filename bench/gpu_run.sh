@@ -25,7 +25,7 @@ for part in $parts; do
         | tee "$OUT/dispatch.log" | tail -8 ;;
     attention)
       timeout 300 python3 bench/bench_attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
-    attention_split)  # split-KV cases (fused combine against two launches, warps/stages) and Gemma's heads
+    attention_split)  # split-KV cases (the fused combine against two launches, warps/stages), Gemma's heads
       timeout 300 python3 bench/bench_attention.py --split-only --split-tune --json "$OUT/attention_split.json" 2>&1 \
         | tee "$OUT/attention_split.log" | tail -60 ;;
     blas)  # the decode projections under cuBLAS and cuBLASLt
@@ -43,7 +43,7 @@ for part in $parts; do
     decode_small)  # issue 17: batch 1 and 8 at 4k context, split-KV decode attention on and off
       for b in 1 8; do
         timeout 200 python3 bench/bench_decode.py --batch $b --context 4096 --steps 48 \
-          --configs "graphs + async,graphs + async + 2-launch split-KV,graphs + async + no split-KV" 2>&1 \
+          --configs "graphs + async,graphs + async + fused split-KV,graphs + async + no split-KV" 2>&1 \
           | tee "$OUT/decode_b$b.log" | grep decode
       done ;;
     logprobs)  # issue 16: what logprobs (sampled + top 5) add to a batch-64 decode step

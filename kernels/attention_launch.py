@@ -21,8 +21,8 @@ faster at B = 256, 27.7 against 33.2 us).
 Split-KV decode: a decode-shaped launch (max_query_len == 1) whose (row, kv head) programs cannot fill
 the GPU (fewer than SPLIT_PROGRAMS_PER_SM per multiprocessor; batch 1 or 8 at 4 kv heads gives 4 or 32
 programs for 132 SMs) splits each row's key range over `kv_splits` programs, each writing a partial
-softmax (max, sum, unnormalised output); the last of a row's splits to finish combines them in the same
-launch (`attention.py`). The
+softmax (max, sum, unnormalised output), and a second small launch combines them (`attention.py`; with
+`AttentionLaunch.fused_reduce` the last of a row's splits to finish combines them in the same launch). The
 split count is a function of host-known values only (rows, kv heads, the multiprocessor count and the
 key bound: the block table's width times the block size, i.e. max_model_len, capped by the window), never
 of the device seq_lens, so a CUDA graph captures it; the kernel spreads each row's actual keys over the
@@ -53,22 +53,23 @@ class AttentionLaunch:
     num_stages: int = 2  # software-pipelining depth of the key loop
     row_programs: bool = False  # the row layout (decode); False: the tile layout (prefill)
     # Split-KV (row layout only): each row's keys spread over this many programs per kv head, their
-    # partials combined by the last to finish; 1 = one program per (row, kv head). The policy picks it
-    # for decode (decode_kv_splits).
+    # partials combined afterwards; 1 = one program per (row, kv head). The policy picks it for decode
+    # (decode_kv_splits).
     kv_splits: int = 1
     # Fewest keys a split takes (rounded up to whole key steps), so a short row fills few splits; also
     # bounds kv_splits by the key bound (SPLIT_MIN_KEYS for the policy's launches).
     split_min_keys: int = 256
-    # Split-KV: the last split of a (row, kv head) combines the partials in the same launch (True), or a
-    # second launch does (False; kept to measure the two against each other).
-    fused_reduce: bool = True
+    # Split-KV: the last split of a (row, kv head) to finish combines the partials in the same launch
+    # (True), or a second launch does (False, the default: the one measured on the GPU; the fused combine
+    # passes the interpreter's tests and compiles for sm_90 but is not yet timed or run compiled).
+    fused_reduce: bool = False
 
     def tag(self) -> str:
         """A short name for tables: layout, score rows, keys per step, warps, stages."""
         warps = "auto" if self.num_warps is None else self.num_warps
         layout = "rows" if self.row_programs else "tiles"
         split = f" split{self.kv_splits}/{self.split_min_keys}" if self.kv_splits > 1 else ""
-        split += "" if self.fused_reduce or self.kv_splits == 1 else " 2-launch"
+        split += " fused" if self.fused_reduce and self.kv_splits > 1 else ""
         return f"{layout} M{self.block_m} N{self.block_n} w{warps} s{self.num_stages}{split}"
 
 
@@ -95,7 +96,7 @@ class LaunchPlan(NamedTuple):
     num_stages: int
     kv_splits: int = 1  # > 1: the split-KV kernel and its reduction instead of the one-launch kernel
     split_min_keys: int = 0  # keys a split takes at least (a multiple of BLOCK_N); split-KV only
-    fused_reduce: bool = True  # split-KV: the split kernel combines its partials (no second launch)
+    fused_reduce: bool = False  # split-KV: the split kernel combines its partials (no second launch)
 
 
 def decode_kv_splits(

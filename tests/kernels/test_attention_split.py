@@ -328,9 +328,13 @@ def test_interpreter_policy_never_splits(device, split_calls):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("window", [0, 1000])
-def test_compiled_bf16_long_context(window, device, split_calls):
-    """Real sizes on the GPU through the default policy: batch 1 at 8k splits by the SM count."""
+def test_compiled_bf16_long_context(window, fused, device, split_calls, monkeypatch):
+    """Real sizes on the GPU through the default policy: batch 1 at 8k splits by the SM count; the
+    partials combined by a second launch (the default) or by the split kernel's last program."""
+    launch = attention_launch.DECODE_LAUNCH
+    monkeypatch.setattr(attention_launch, "DECODE_LAUNCH", replace(launch, fused_reduce=fused))
     batch = PagedBatch(
         device,
         gen(53),

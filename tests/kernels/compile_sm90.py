@@ -1,0 +1,109 @@
+"""Compiles the split-KV attention kernels for an H100/H200 (sm_90) on a machine without a GPU, launching
+nothing: CI has no GPU, and Triton's interpreter runs code that the compiler may still reject. Run by
+test_compile_sm90.py in a process of its own (TRITON_INTERPRET unset: the kernels must be jitted, not
+interpreted). Prints one JSON object: per variant, the shared memory it takes and what its PTX holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import torch
+
+
+def fake_sm90_driver():
+    """The CUDA driver as far as compiling goes: its target is sm_90; it never loads libcuda."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import CudaDriver
+
+    class CompileOnlyCuda(CudaDriver):
+        def __init__(self) -> None:  # CudaDriver's would load libcuda
+            pass
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device=None) -> int:
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_device_interface(self):
+            return torch.cuda
+
+        @staticmethod
+        def is_active() -> bool:
+            return True
+
+    return CompileOnlyCuda()
+
+
+def main() -> None:
+    assert "TRITON_INTERPRET" not in os.environ, "the kernels must be compiled, not interpreted"
+    try:
+        import triton.runtime
+
+        triton.runtime.driver.set_active(fake_sm90_driver())
+    except (ImportError, AttributeError) as exc:  # this Triton has no CUDA backend or another driver API
+        print(json.dumps({"skip": f"{type(exc).__name__}: {exc}"}))
+        return
+    from raystate.kernels import attention
+
+    results = {}
+    # (q heads, kv heads, head dim, key step, stages, splits): the bench model, Gemma-3-4B, Qwen3-8B.
+    for hq, hkv, d, block_n, stages, splits in [
+        (16, 4, 128, 128, 3, 32),
+        (8, 4, 256, 64, 3, 4),
+        (32, 8, 128, 64, 2, 8),
+    ]:
+        rows = 8
+        q = torch.empty(rows, hq, d, dtype=torch.bfloat16)
+        cache = torch.empty(64, 16, hkv, d, dtype=torch.bfloat16)
+        table = torch.empty(rows, 512, dtype=torch.int32)
+        qsl = torch.empty(rows + 1, dtype=torch.int32)
+        lens = torch.empty(rows, dtype=torch.int32)
+        acc = torch.empty(rows, hq, splits, d, dtype=torch.float32)
+        ml = torch.empty(rows, hq, splits, 2, dtype=torch.float32)
+        group = hq // hkv
+        shape = (d, d, 16, group, True, "tf32", False)
+        tile = (1, max(16, group), block_n, True)
+        chunk_s = min(triton_next_pow2(splits), 8192 // d)
+        for fused in (False, True):
+            kernel = attention._paged_attention_split_kernel.warmup(
+                q, cache, cache, acc, ml, table, qsl, lens, lens, 1.0, 0, 256,
+                q.stride(), cache.stride(), cache.stride(), acc.stride(), ml.stride(), table.stride(),
+                q, q.stride(), lens,
+                SHAPE=shape, TILE=tile, FUSED_REDUCE=fused, CHUNK_S=chunk_s, num_warps=4, num_stages=stages,
+                grid=(rows, hkv, splits),
+            )  # fmt: skip
+            ptx = kernel.asm["ptx"]
+            results[f"split hq{hq} hkv{hkv} d{d} fused={fused}"] = {
+                "shared": kernel.metadata.shared,
+                "cubin_bytes": len(kernel.asm["cubin"]),
+                "atomics": sorted(set(re.findall(r"atom\.[\w.]+", ptx))),
+                "l2_loads": bool(re.search(r"ld\.global\.cg", ptx)),
+            }
+        kernel = attention._split_reduce_kernel.warmup(
+            acc, ml, q, qsl, rows, splits, acc.stride(), ml.stride(), q.stride(),
+            HEAD_DIM=d, BLOCK_D=d, CHUNK_S=chunk_s, num_warps=4, grid=(rows, hq),
+        )  # fmt: skip
+        results[f"reduce hq{hq} d{d}"] = {
+            "shared": kernel.metadata.shared,
+            "cubin_bytes": len(kernel.asm["cubin"]),
+        }
+    print(json.dumps(results))
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
