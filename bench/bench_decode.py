@@ -150,7 +150,8 @@ def run(
 # with a plain argmax, to show the guard's cost side by side; "logprobs 5" asks every request for its
 # sampled token's logprob and the top 5 (the logprobs variant of the graphs); "no split-KV" turns the
 # split-KV decode attention off (one program per row and kv head), its before/after; "fused split-KV"
-# combines the splits' partials in the split kernel (no second launch). The last three are run
+# combines the splits' partials in the split kernel (no second launch); "cuBLASLt" has torch issue the
+# projections through cuBLASLt instead of cuBLAS (bench_blas.py times both). The last four are run
 # only when named in --configs.
 CONFIGS = (
     ("graphs + async", True, True, "default"),
@@ -158,6 +159,7 @@ CONFIGS = (
     ("graphs + async + logprobs 5", True, True, "logprobs"),
     ("graphs + async + no split-KV", True, True, "no_split"),
     ("graphs + async + fused split-KV", True, True, "split_fused"),
+    ("graphs + async + cuBLASLt", True, True, "cublaslt"),
     ("graphs", True, False, "default"),
     ("eager", False, False, "default"),
 )
@@ -227,14 +229,15 @@ def main() -> None:
         plot(args.plot, medians, floor, args, name)
 
 
-OPT_IN_VARIANTS = ("logprobs", "no_split", "split_fused")
+OPT_IN_VARIANTS = ("logprobs", "no_split", "split_fused", "cublaslt")
 
 
 @contextlib.contextmanager
 def step_variant(variant: str):
     """ "unguarded": the graph's greedy step without the non-finite-row guard (a plain argmax), for its
     cost; "no_split": no split-KV decode attention; "split_fused": split-KV with the partials combined
-    by the split kernel's last program (no second launch); "default" and "logprobs": as shipped."""
+    by the split kernel's last program (no second launch); "cublaslt": projections through cuBLASLt;
+    "default" and "logprobs": as shipped."""
     if variant in ("default", "logprobs"):
         yield
         return
@@ -249,6 +252,14 @@ def step_variant(variant: str):
             yield
         finally:
             attention_launch.DECODE_LAUNCH, attention_launch.DECODE_SHORT_STEP_LAUNCH = saved_launches
+        return
+    if variant == "cublaslt":
+        saved_library = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            yield
+        finally:
+            torch.backends.cuda.preferred_blas_library(saved_library)
         return
     if variant == "no_split":
         from raystate.kernels import attention_launch

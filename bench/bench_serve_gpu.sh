@@ -12,7 +12,7 @@
 #    with the ratios is in serve_gpu.log, every figure in serve_gpu.json.
 # MODES: the server runs once per mode, "direct-http" (the replica answers HTTP itself, raystate serve's
 # default) and "no-direct-http" (through Serve's proxy); the baselines compare the first mode's figures.
-# Knobs (environment): REPLICAS (ingress replicas, 1), DUR (15), LEVELS ("64 256"), MIX (128,512,2048), SEQS (the server's max_num_seqs,
+# Knobs (environment): WARMUP_S (8: unmeasured load before the levels; 0: none), REPLICAS (ingress replicas, 1), DUR (15), LEVELS ("64 256"), MIX (128,512,2048), SEQS (the server's max_num_seqs,
 # 256), PROCS (client processes, 4), PORT (8011), TTFT_N (30), GEN_AT_CONC (1: LLM.generate of the
 # 64 level on an engine capped at 64, one more engine start; 0: skip it), CEILING (1: last, the Serve
 # path over a stand-in engine, bench/profile_serve.py --fake-step-ms; 0: skip it). A CPU dry run:
@@ -90,6 +90,16 @@ print(json.dumps(out))
 PY
 grep -h "raystate:\|Started a local Ray\|Adding 1 replica\|is ready at" "$OUT/serve_server_$mode.log" | cut -c1-160 | head -8
 
+if [ "${WARMUP_S:-8}" != 0 ]; then
+  # Unmeasured load first, at the largest level: a fresh machine's Triton cache is empty, and kernels the
+  # start-up did not compile (prefill tiles of long prompts, say) would otherwise compile inside the first
+  # measured window; the baselines, run later in this call, find them compiled.
+  echo "== serve ($mode): warm-up, ${WARMUP_S:-8} s (not measured)"
+  timeout 120 "$PY" bench/bench_serve.py --url "http://127.0.0.1:$PORT" --no-baseline "${ENGINE[@]}" \
+    --clients "${LEVELS##* }" --duration "${WARMUP_S:-8}" --max-tokens 64 --prompt-mix "$MIX" --shared-prefixes 4 \
+    --ttft-requests 0 --client-procs "$PROCS" --seed 1 --plot "" --json "$OUT/serve_warmup_$mode.json" 2>&1 \
+    | grep -i "output tokens/s\|error" | tail -3
+fi
 echo "== serve ($mode): load"
 # shellcheck disable=SC2086
 timeout 330 "$PY" bench/bench_serve.py --url "http://127.0.0.1:$PORT" --no-baseline "${ENGINE[@]}" \

@@ -2,7 +2,7 @@
 # Everything that needs the GPU machine (one H200), in one call: the CUDA tests, then every GPU benchmark,
 # logs, JSON and plots into $OUT (or ./out). From the repo root, with .whl/ carried
 # (../shared/device/make-wheels.sh builds it):
-#   bash bench/gpu_run.sh [tests|dispatch|attention|attention_split|blas|gemm|kernels|decode|decode_small|logprobs|prefix|throughput|hf|cold ...]
+#   bash bench/gpu_run.sh [tests|split_tests|dispatch|attention|attention_split|blas|gemm|kernels|decode|decode_small|logprobs|prefix|throughput|hf|hf_blas|serve_profile|serve_replicas|cold ...]
 #   (default: all but hf, cold, decode_small and logprobs)
 set -o pipefail
 . bench/gpu_setup.sh || exit 1
@@ -21,6 +21,10 @@ for part in $parts; do
         --timeout ${TEST_TIMEOUT:-300} tests/kernels tests/model tests/worker tests/engine/test_engine_profile.py \
         tests/engine/test_request_isolation.py 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -30 ;;
+    split_tests)  # the split-KV kernels compiled (the fused combine included), alone: a quick check
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -rfE --durations=5 -p no:cacheprovider -p no:benchmark -n 16 \
+        --timeout ${TEST_TIMEOUT:-150} tests/kernels/test_attention_split.py 2>&1 \
+        | tee "$OUT/gpu_tests_split.log" | tail -12 ;;
     dispatch)
       timeout 150 python3 bench/bench_dispatch.py --shards 1 2 4 --gpus-per-shard 0.25 --iters 2000 2>&1 \
         | tee "$OUT/dispatch.log" | tail -8 ;;
@@ -65,6 +69,26 @@ for part in $parts; do
           --pool-gib 40 --plot "$OUT/prefix_gemma3-4b.png" --json "$OUT/prefix_gemma3-4b.json" 2>&1 \
           | tee "$OUT/prefix_gemma3-4b.log" | tail -16
       fi ;;
+    serve_profile)  # the served path's CPU per process and per thread, 256 then 64 streams (direct HTTP)
+      for c in ${SERVE_LEVELS:-256 64}; do
+        timeout 200 python3 bench/profile_serve.py --direct-http --model bench --device cuda --max-num-seqs 256 \
+          --clients $c --client-procs 4 --max-tokens 64 --prompt-mix 128,512,2048 --shared-prefixes 4 \
+          --duration ${SERVE_DUR:-20} --json "$OUT/serve_profile_$c.json" 2>&1 \
+          | tee "$OUT/serve_profile_$c.log" | grep -A 30 "clients ("
+      done ;;
+    serve_replicas)  # 256 streams through 1 and 2 ingress replicas, alternating (1 2 1 2), direct HTTP
+      for r in ${REPLICA_ORDER:-1 2 1 2}; do
+        timeout 150 python3 bench/profile_serve.py --direct-http --model bench --device cuda --max-num-seqs 256 \
+          --num-replicas $r --clients ${SERVE_CLIENTS:-256} --client-procs 4 --max-tokens 64 \
+          --prompt-mix 128,512,2048 --shared-prefixes 4 --duration ${SERVE_DUR:-20} 2>&1 \
+          | tee -a "$OUT/serve_replicas.log" | grep -A 30 "clients ("
+      done ;;
+    hf_blas)  # Gemma-3-4B's decode step (batch 64, 4k) with the projections on cuBLAS and on cuBLASLt
+      timeout 300 python3 bench/bench_hf_models.py --shape gemma3-4b --root /tmp/hf_ckpt --skip-exactness 2>&1 \
+        | grep -v "Loading weights" | tail -3
+      timeout 300 python3 bench/bench_decode.py --model /tmp/hf_ckpt/gemma3-4b --batch 64 --context 4096 \
+        --steps 32 --configs "graphs + async,graphs + async + cuBLASLt" 2>&1 | tee "$OUT/decode_gemma3-4b_blas.log" \
+        | grep decode ;;
     throughput)
       timeout 200 python3 bench/bench_throughput.py --plot "$OUT/throughput.png" --json "$OUT/throughput.json" 2>&1 \
         | tee "$OUT/throughput.log" | tail -25 ;;

@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -68,6 +69,26 @@ def cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except OSError:
         return 0.0
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of `pid`, keyed "name/tid" (the kernel's thread name, as Ray and
+    Python set it)."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                head, rest = f.read().rsplit(")", 1)
+            fields = rest.split()
+            name = head.split("(", 1)[1]
+            out[f"{name}/{tid}"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError):
+            continue
+    return out
 
 
 def _client_proc(url, clients, duration, max_tokens, workload, model, procs, conn) -> None:
@@ -385,6 +406,9 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument(
+        "--num-replicas", type=int, default=1, help="ingress replicas (with --direct-http: one port)"
+    )
+    p.add_argument(
         "--py-spy", default="", help="comma-separated roles to sample (proxy,replica,scheduler,...)"
     )
     p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
@@ -398,6 +422,9 @@ def main() -> int:
     p.add_argument("--client-procs", type=int, default=1, help="processes for the clients")
     p.add_argument("--no-serve", action="store_true", help="with --fake-step-ms: our app under uvicorn alone")
     p.add_argument("--micro", action="store_true", help="our per-event cost without Ray (no server)")
+    p.add_argument(
+        "--direct-http", action="store_true", help="the replica serves HTTP itself (raystate serve's default)"
+    )
     p.add_argument("--micro-requests", type=int, default=200)
     args = p.parse_args()
     if args.micro:
@@ -409,6 +436,7 @@ def main() -> int:
         "device": args.device,
         "cluster_name": "raystate-profile",
         "max_num_seqs": args.max_num_seqs,
+        "num_replicas": args.num_replicas,
     }
     plain = None
     if args.fake_step_ms and args.no_serve:
@@ -416,7 +444,13 @@ def main() -> int:
     elif args.fake_step_ms:
         url = start_fake_server(args.model, args.fake_step_ms)
     else:
+        if args.direct_http:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                app_args["direct_http_port"] = sock.getsockname()[1]
         url = start_server(app_args, "profile")
+        if args.direct_http:
+            url = f"http://127.0.0.1:{app_args['direct_http_port']}"
     os.makedirs(args.out, exist_ok=True)
     spies = []
     try:
@@ -443,6 +477,7 @@ def main() -> int:
         time.sleep(4.0 if args.client_procs <= 1 else 10.0)  # imports and warm-up: outside the window
         cpu0 = {pid: cpu_seconds(pid) for pid in procs}
         cpu0[client.pid] = cpu_seconds(client.pid)
+        threads0 = {pid: thread_cpu_seconds(pid) for pid, role in procs.items() if role in ROLES}
         me0 = time.process_time()
         t0 = time.perf_counter()
         spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
@@ -469,6 +504,10 @@ def main() -> int:
         time.sleep(window)
         wall = time.perf_counter() - t0
         used = {pid: cpu_seconds(pid) - cpu0[pid] for pid in cpu0}
+        threads = {
+            pid: {t: s - before.get(t, 0.0) for t, s in thread_cpu_seconds(pid).items()}
+            for pid, before in threads0.items()
+        }
         served, info, _ = recv.recv()
         client.join()
         for _, _, sp in spies:
@@ -490,7 +529,8 @@ def main() -> int:
         by_role[roles[pid]] += s
     by_role["profile driver"] = time.process_time() - me0
     print(
-        f"\n{args.clients} clients, {args.max_tokens} tokens, {workload.describe()}: "
+        f"\n{args.clients} clients ({args.num_replicas} replica(s)), {args.max_tokens} tokens, "
+        f"{workload.describe()}: "
         f"{served['output_tokens_per_s']:.1f} output tok/s, TTFT p50 {served['ttft_p50_ms']:.1f} ms, "
         f"ITL p50 {served['itl_p50_ms']:.2f} ms, failed {served['failed']}, lost {served['lost']}"
     )
@@ -509,7 +549,18 @@ def main() -> int:
             print(
                 f"  {role:<34} {s:6.2f} s  {100 * s / wall:5.1f}% of a core  {1e3 * s / tokens:6.2f} s/1k tok"
             )
-    report = {"served": {k: v for k, v in served.items() if not k.startswith("_")}, "cpu_s": dict(by_role)}
+    print("Busiest threads (>= 5% of a core) of our processes:")
+    busiest = sorted(
+        ((s, roles[pid], t) for pid, per in threads.items() for t, s in per.items() if s >= 0.05 * wall),
+        reverse=True,
+    )
+    for s, role, t in busiest:
+        print(f"  {role:<12} {t:<28} {100 * s / wall:5.1f}% of a core")
+    report = {
+        "served": {k: v for k, v in served.items() if not k.startswith("_")},
+        "cpu_s": dict(by_role),
+        "threads_cpu_s": [{"role": r, "thread": t, "cpu_s": s} for s, r, t in busiest],
+    }
     for role, path, sp in spies:
         print(f"\npy-spy {role} ({path}):")
         if sp.returncode or not os.path.exists(path):

@@ -60,8 +60,10 @@ class AttentionLaunch:
     # bounds kv_splits by the key bound (SPLIT_MIN_KEYS for the policy's launches).
     split_min_keys: int = 256
     # Split-KV: the last split of a (row, kv head) to finish combines the partials in the same launch
-    # (True), or a second launch does (False, the default: the one measured on the GPU; the fused combine
-    # passes the interpreter's tests and compiles for sm_90 but is not yet timed or run compiled).
+    # (True), or a second launch does (False, the default). On the H200 the fused combine is exact (the
+    # compiled split tests) but slower in every split case, 1.3-3.0 us a call (13.13 against 11.47 us at
+    # batch 1, 2k; 46.61 against 44.40 at batch 8, 8k): its serial tail costs more than the launch it
+    # saves (BENCHMARKS.md, "Split-KV decode attention").
     fused_reduce: bool = False
 
     def tag(self) -> str:

@@ -219,6 +219,29 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**values, kv_cache_bytes=kv_cache_bytes)
 
 
+# With direct HTTP each ingress replica's event loop writes every token of its streams; one loop spends
+# about 40 us of CPU on an event (H200 host), so 64 streams of a 2.6 ms decode step fill it and their
+# tokens leave two at a time. Two replicas share the streams: measured on the H200 with the bench model,
+# 64 streams' inter-token p50 went from 1.54-1.56x to 1.05-1.09x the engine's own (BENCHMARKS.md, "The
+# served path"), with no measurable change in tokens/s at 256 streams. A CPU engine steps too slowly for
+# this to matter, and a small host has no core to spare for a second event loop.
+AUTO_REPLICAS_GPU = 2
+AUTO_REPLICAS_MIN_CPUS = 8
+
+
+def ingress_replicas(
+    requested: int | None, direct_http: bool, device: str, backend: str, cpus: int | None
+) -> int:
+    """`--num-replicas` when given; else AUTO_REPLICAS_GPU for a CUDA engine on the Ray backend (whose
+    replicas share one engine; in-process, each replica would hold an engine of its own) served over
+    direct HTTP on a host of at least AUTO_REPLICAS_MIN_CPUS CPUs, and 1 otherwise."""
+    if requested is not None:
+        return requested
+    shared_gpu_engine = backend == "ray" and device.startswith("cuda")
+    many_cpus = (cpus or 1) >= AUTO_REPLICAS_MIN_CPUS
+    return AUTO_REPLICAS_GPU if direct_http and shared_gpu_engine and many_cpus else 1
+
+
 def _serve(args: argparse.Namespace) -> int:
     from raystate.serve.app import API_KEY_ENV, AppArgs, build_app
 
@@ -229,12 +252,15 @@ def _serve(args: argparse.Namespace) -> int:
         # The local Ray's processes inherit this environment: the key reaches the replica without being
         # written into the application's stored arguments, and a replica without it refuses to start.
         os.environ[API_KEY_ENV] = api_key
+    engine_args = _engine_args(args)
     app_args = AppArgs(
-        **dataclasses.asdict(_engine_args(args)),
+        **dataclasses.asdict(engine_args),
         backend=args.backend,
         cluster_name=args.name,
         num_shards=args.num_shards,
-        num_replicas=args.num_replicas,
+        num_replicas=ingress_replicas(
+            args.num_replicas, direct, engine_args.device, args.backend, os.cpu_count()
+        ),
         api_key=None if local else api_key,
         require_api_key=api_key is not None,
         body_timeout_s=args.body_timeout_s,
@@ -247,7 +273,7 @@ def _serve(args: argparse.Namespace) -> int:
         **({"cors_allow_headers": _words(args.cors_header)} if args.cors_header else {}),
     )
     app = build_app(app_args)  # validates the arguments (and resolves the model) before Ray starts
-    engine_config = build_engine_config(_engine_args(args))
+    engine_config = build_engine_config(engine_args)
     model = engine_config.model
     if local:
         # Like the key: Serve's proxy actor, started by the local Ray, inherits the environment.
@@ -278,7 +304,7 @@ def _serve(args: argparse.Namespace) -> int:
         url = f"http://{host}:{args.port}"
         print(
             f"raystate: serving model {args.model!r} ({describe_model(model)}; {args.backend} backend, "
-            f"{args.num_shards} shard(s), {args.num_replicas} ingress replica(s))"
+            f"{args.num_shards} shard(s), {app_args.num_replicas} ingress replica(s))"
         )
         print(f"raystate: {engine_config.kv_summary()}")
         if args.backend == "ray":
@@ -441,8 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--num-replicas",
         type=int,
-        default=1,
-        help="ingress replicas (HTTP and streaming; with direct HTTP they share the port), one backend",
+        default=None,
+        help="ingress replicas (HTTP and streaming; with direct HTTP they share the port), one backend "
+        f"(default: {AUTO_REPLICAS_GPU} for a CUDA device over direct HTTP on a host of "
+        f"{AUTO_REPLICAS_MIN_CPUS}+ CPUs, else 1)",
     )
     s.add_argument(
         "--api-key", help="require this bearer key on every route but /health (default: $RAYSTATE_API_KEY)"

@@ -8,7 +8,13 @@ import dataclasses
 
 import pytest
 
-from raystate.cli import _engine_args, build_parser
+from raystate.cli import (
+    AUTO_REPLICAS_GPU,
+    AUTO_REPLICAS_MIN_CPUS,
+    _engine_args,
+    build_parser,
+    ingress_replicas,
+)
 from raystate.engine_args import EngineArgs, build_engine_config, knobs
 from raystate.errors import InvalidRequest
 from raystate.serve.app import AppArgs
@@ -41,6 +47,23 @@ def test_serve_args_and_flags_reach_the_config():
     assert _engine_args(build_parser().parse_args(flags)) == EngineArgs(**NON_DEFAULT)
     assert want.cache.block_size == 8 and want.scheduler.long_prefill_token_threshold == 64
     assert want.max_model_len == 256 and not want.async_scheduling
+
+
+def test_ingress_replicas_default_to_two_only_for_a_shared_gpu_engine_on_a_large_host():
+    """--num-replicas unset: two replicas where one event loop would fall behind a GPU engine's streams
+    (direct HTTP, the Ray backend's one engine, a CUDA device, enough CPUs); one everywhere else; and
+    whatever the flag says when it is given."""
+    many = AUTO_REPLICAS_MIN_CPUS
+    assert build_parser().parse_args(["serve"]).num_replicas is None
+    assert ingress_replicas(None, True, "cuda", "ray", many) == AUTO_REPLICAS_GPU == 2
+    assert ingress_replicas(None, True, "cuda:1", "ray", 64) == AUTO_REPLICAS_GPU
+    assert ingress_replicas(None, True, "cpu", "ray", many) == 1  # dev.py run, the CPU suite
+    assert ingress_replicas(None, False, "cuda", "ray", many) == 1  # through Serve's proxy
+    assert ingress_replicas(None, True, "cuda", "inprocess", many) == 1  # an engine per replica
+    assert ingress_replicas(None, True, "cuda", "ray", many - 1) == 1
+    assert ingress_replicas(None, True, "cuda", "ray", None) == 1  # os.cpu_count() unknown
+    assert ingress_replicas(3, False, "cpu", "inprocess", 2) == 3
+    assert build_parser().parse_args(["serve", "--num-replicas", "1"]).num_replicas == 1
 
 
 def test_kv_cache_gib_flag_is_kv_cache_bytes():
