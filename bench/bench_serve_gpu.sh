@@ -12,7 +12,7 @@
 #    with the ratios is in serve_gpu.log, every figure in serve_gpu.json.
 # MODES: the server runs once per mode, "direct-http" (the replica answers HTTP itself, raystate serve's
 # default) and "no-direct-http" (through Serve's proxy); the baselines compare the first mode's figures.
-# Knobs (environment): WARMUP_S (8: unmeasured load before the levels; 0: none), REPLICAS (ingress replicas, 1), DUR (15), LEVELS ("64 256"), MIX (128,512,2048), SEQS (the server's max_num_seqs,
+# Knobs (environment): WARMUP_S (8: unmeasured load before the levels; 0: none), REPLICAS (ingress replicas; unset: raystate serve's default, 2 on a GPU host), DUR (15), LEVELS ("64 256"), MIX (128,512,2048), SEQS (the server's max_num_seqs,
 # 256), PROCS (client processes, 4), PORT (8011), TTFT_N (30), GEN_AT_CONC (1: LLM.generate of the
 # 64 level on an engine capped at 64, one more engine start; 0: skip it), CEILING (1: last, the Serve
 # path over a stand-in engine, bench/profile_serve.py --fake-step-ms; 0: skip it). A CPU dry run:
@@ -41,7 +41,7 @@ for mode in $MODES; do
 echo "== serve ($mode): start"
 launch=$(date +%s.%N)
 "$PY" -m raystate serve "${ENGINE[@]}" --port "$PORT" --verbose --shutdown-grace-s 5 "--$mode" \
-  --num-replicas "${REPLICAS:-1}" \
+  ${REPLICAS:+--num-replicas "$REPLICAS"} \
   >"$OUT/serve_server_$mode.log" 2>&1 &
 server=$!
 LAUNCH=$launch PORT=$PORT SERVER_PID=$server timeout 400 "$PY" - <<'PY' | tee "$OUT/serve_cold_start_$mode.json"
