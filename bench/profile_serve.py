@@ -62,11 +62,17 @@ def processes() -> dict[int, str]:
     return out
 
 
+def _stat_cpu(path: str) -> tuple[str, float]:
+    """(command name, user + system CPU seconds) from a /proc stat file (a process's or a thread's)."""
+    with open(path) as f:
+        head, rest = f.read().rsplit(")", 1)
+    fields = rest.split()
+    return head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _stat_cpu(f"/proc/{pid}/stat")[1]
     except OSError:
         return 0.0
 
@@ -81,13 +87,10 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
         return out
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                head, rest = f.read().rsplit(")", 1)
-            fields = rest.split()
-            name = head.split("(", 1)[1]
-            out[f"{name}/{tid}"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError):
+            name, seconds = _stat_cpu(f"/proc/{pid}/task/{tid}/stat")
+        except OSError:  # the thread ended meanwhile
             continue
+        out[f"{name}/{tid}"] = seconds
     return out
 
 

@@ -469,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="ingress replicas (HTTP and streaming; with direct HTTP they share the port), one backend "
-        f"(default: {AUTO_REPLICAS_GPU} for a CUDA device over direct HTTP on a host of "
+        f"(default: {AUTO_REPLICAS_GPU} for a CUDA device on the Ray backend over direct HTTP on a host of "
         f"{AUTO_REPLICAS_MIN_CPUS}+ CPUs, else 1)",
     )
     s.add_argument(
