@@ -29,10 +29,13 @@ import json
 import math
 import os
 import re
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import triton
+import triton.language as tl
 import triton.testing
 from bench_decode import copy_bandwidth, graph_time_us
 
@@ -237,53 +240,77 @@ SPLIT_CASES = (
 NOISE = 0.03  # relative time difference taken as run-to-run noise in a CUDA-graph timing
 
 
+@triton.jit
+def _empty_kernel(ptr):
+    tl.store(ptr + tl.program_id(0), tl.load(ptr + tl.program_id(0)) + 1)
+
+
+@triton.jit
+def _stream_kernel(src_ptr, dst_ptr, ELEMS: tl.constexpr, STEP: tl.constexpr):
+    """Program p sums src[p * ELEMS : (p + 1) * ELEMS] (bf16) in STEP-element loads: a read with no
+    dependent address, no arithmetic to wait on and one launch."""
+    base = src_ptr + tl.program_id(0).to(tl.int64) * ELEMS
+    total = tl.zeros([STEP], tl.float32)
+    for i in tl.static_range(0, ELEMS, STEP):
+        total += tl.load(base + i + tl.arange(0, STEP)).to(tl.float32)
+    tl.store(dst_ptr + tl.program_id(0), tl.sum(total, 0))
+
+
+def small_read_floors(hbm: float) -> list[dict]:
+    """What a call that reads batch 1's 8k context of bench heads (16.8 MB) can cost at best here, timed
+    as the attention rows are (a CUDA graph over copies that make every call read HBM): one empty kernel
+    and two in a row (a graph node's cost), a plain streaming read of the 16.8 MB over 128-2048 programs,
+    and torch's device copy of it."""
+    rows = []
+    flag = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    one = graph_time_us(lambda i: _empty_kernel[(1,)](flag), 40)
+    two = graph_time_us(lambda i: (_empty_kernel[(1,)](flag), _empty_kernel[(16,)](flag)), 40)
+    print(f"empty kernel: {one:.2f} us a call; two in a row: {two:.2f} us", flush=True)
+    rows.append({"case": "empty kernel", "us": one, "two_us": two})
+    elems = 8_400_000  # bf16: 16.8 MB
+    bufs = [torch.randn(elems, device="cuda", dtype=torch.bfloat16) for _ in range(12)]
+    sink = torch.empty(8192, device="cuda")
+    for progs in (128, 256, 512, 1024, 2048):
+        step = min(4096, next_pow2(elems // progs) // 2)
+        per = elems // progs // step * step
+
+        def read(i, p=progs, e=per, s=step):
+            _stream_kernel[(p,)](bufs[i % len(bufs)], sink, ELEMS=e, STEP=s)
+
+        us = graph_time_us(read, 24)
+        nbytes = progs * per * 2
+        share = nbytes / (us * 1e-6) / hbm
+        print(
+            f"plain read of {nbytes / 1e6:.1f} MB over {progs} programs: {us:.2f} us ({share:.2f})",
+            flush=True,
+        )
+        rows.append({"case": f"read over {progs} programs", "us": us, "of_hbm": share})
+    dsts = [torch.empty_like(b) for b in bufs[:6]]
+    us = graph_time_us(lambda i: dsts[i % 6].copy_(bufs[6 + i % 6]), 24)
+    share = 4 * elems / (us * 1e-6) / hbm
+    print(f"torch copy of {2 * elems / 1e6:.1f} MB: {us:.2f} us (read + write: {share:.2f})", flush=True)
+    rows.append({"case": "torch copy", "us": us, "of_hbm": share})
+    return rows
+
+
 def split_variants(problem: Problem, sweep: bool, tune: bool = False) -> dict[str, AttentionLaunch | None]:
-    """'current' (no split: today's path), 'policy' (the default launch: the partials combined by a
-    second launch) and, where the policy splits, the same plan with the combine fused into the split
-    kernel (its last program of a row combines) and the same split count on 64-key steps; with `sweep`,
-    also half / double / quadruple the split count, 64- and 128-key steps, and 128 / 512 keys per split
-    at least; with `tune`, the policy's and twice its split count at 4 / 8 warps and 2-4 stages, fused
-    (tuning data for attention_launch)."""
+    """'current' (no split: the one-launch row kernel) and 'policy' (the default launch); where the policy
+    splits, with `sweep` also half / the same / double / quadruple its split count at 64- and 128-key
+    steps (at least 128 keys a split), and with `tune` each of those at 1-4 stages of the key loop
+    (tuning data for attention_launch's SPLIT_LAUNCH)."""
     current = problem.current_launch()
     variants: dict[str, AttentionLaunch | None] = {"current": current, "policy": None}
-    plan = problem.policy_plan()
-    splits = plan.kv_splits
-    if splits > 1:
-        variants["policy fused"] = AttentionLaunch(
-            block_n=plan.tile[2],
-            num_warps=plan.num_warps,
-            num_stages=plan.num_stages,
-            row_programs=True,
-            kv_splits=splits,
-            split_min_keys=plan.split_min_keys,
-            fused_reduce=True,
-        )
-        variants[f"S{splits} N64"] = AttentionLaunch(block_n=64, row_programs=True, kv_splits=splits)
-    if tune and splits > 1:
-        for s in (splits, 2 * splits):
+    splits = problem.policy_plan().kv_splits
+    if splits > 1 and (sweep or tune):
+        for s in sorted({max(2, splits // 2), splits, 2 * splits, 4 * splits}):
             for n in (64, 128):
-                for warps in (4, 8):
-                    for stages in (2, 3, 4):
-                        variants.setdefault(
-                            f"S{s} N{n} w{warps} s{stages}",
-                            AttentionLaunch(
-                                block_n=n,
-                                num_warps=warps,
-                                num_stages=stages,
-                                row_programs=True,
-                                kv_splits=s,
-                                split_min_keys=128,
-                                fused_reduce=True,
-                            ),
-                        )
-    if sweep:
-        base = max(splits, 2)
-        for s in sorted({max(2, base // 2), base, 2 * base, 4 * base}):
-            for n in (64, 128):
-                for keys in (128, 256, 512):
-                    name = f"S{s} N{n} min{keys}"
-                    launch = AttentionLaunch(block_n=n, row_programs=True, kv_splits=s, split_min_keys=keys)
-                    variants.setdefault(name, launch)
+                for stages in (1, 2, 3, 4) if tune else (2,):
+                    variants.setdefault(
+                        f"S{s} N{n} s{stages}",
+                        AttentionLaunch(
+                            block_n=n, num_stages=stages, row_programs=True, kv_splits=s, split_min_keys=128
+                        ),
+                    )
     return variants
 
 
@@ -346,7 +373,7 @@ WIDE_HEAD_CASES = ((64, 4096, 1024), (64, 4096, 0))
 
 def wide_head_decode(args, hbm) -> list[dict]:
     """Gemma-3-4B's heads (8 q / 4 kv of 256): the default launch (one program per row and kv head)
-    against 2 and 4 splits per row (one launch: the fused combine) at 32- and 64-key steps and 2-4 stages, in
+    against 2 and 4 splits per row (split kernel + combine) at 32- and 64-key steps and 2-4 stages, in
     CUDA graphs over enough copies that every call reads HBM. Variants that do not fit shared memory
     print their error."""
     heads = argparse.Namespace(**{**vars(args), "q_heads": 8, "kv_heads": 4, "head_dim": 256})
@@ -360,7 +387,6 @@ def wide_head_decode(args, hbm) -> list[dict]:
                     row_programs=True,
                     kv_splits=splits,
                     split_min_keys=128,
-                    fused_reduce=True,
                 )
     rows = []
     for batch, context, window in WIDE_HEAD_CASES:
@@ -530,6 +556,49 @@ def print_sorted(rows: list[dict], names: list[str]) -> None:
         print(format_sweep_row(row, names))
 
 
+def eager_check(args) -> list[dict]:
+    """Batch 1 and 8 at 8k context on the default table's heads, one call timed four ways: host time per
+    call (launches only, no sync), triton's do_bench (eager launches, as the default table), a CUDA
+    graph of the same call, and each kernel's median GPU time (torch.profiler). Shows whether an eager
+    row measures the kernels or the Python and launch cost in front of them."""
+    rows = []
+    for batch in (1, 8):
+        problem = Problem(batch, 1, 8192, 0, args)
+        problem.run()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(200):
+            problem.run()
+        host_us = (time.perf_counter() - start) / 200 * 1e6
+        torch.cuda.synchronize()
+        eager_us = triton.testing.do_bench(problem.run, warmup=25, rep=100) * 1e3
+        graph_us = graph_time_us(lambda i, p=problem: p.run(), 20)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                problem.run()
+            torch.cuda.synchronize()
+        kernels: dict[str, list[float]] = {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                kernels.setdefault(event.name, []).append(event.device_time_total)
+        medians = {name: statistics.median(times) for name, times in kernels.items()}
+        row = {
+            "batch": batch,
+            "host_us": host_us,
+            "eager_us": eager_us,
+            "graph_us": graph_us,
+            "kernels": medians,
+        }
+        rows.append(row)
+        cells = ", ".join(f"{name} {us:.2f} us" for name, us in medians.items())
+        print(
+            f"B={batch} ctx=8192: host {host_us:.1f} us a call, eager (do_bench) {eager_us:.1f} us, "
+            f"CUDA graph {graph_us:.2f} us; kernels: {cells}",
+            flush=True,
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -547,7 +616,9 @@ def main() -> None:
         "--split-sweep", action="store_true", help="also time split counts, key steps, keys per split"
     )
     parser.add_argument(
-        "--split-tune", action="store_true", help="also time warps and stages of small split batches"
+        "--split-tune",
+        action="store_true",
+        help="also time split counts, key steps and stages of small split batches",
     )
     parser.add_argument(
         "--split-only",
@@ -560,8 +631,14 @@ def main() -> None:
         default=0,
         help="block tables this many keys wide (the model's max_model_len; 0: each problem's context)",
     )
+    parser.add_argument(
+        "--eager-check", action="store_true", help="only time batch 1 and 8 eager, in a graph and per kernel"
+    )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "a GPU benchmark"
+    if args.eager_check:
+        eager_check(args)
+        return
 
     hbm = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {hbm / 1e9:.0f} GB/s")
@@ -570,6 +647,10 @@ def main() -> None:
     if not args.split_only:
         print("\n== decode layouts (us per call in a CUDA graph, share of copy bandwidth)")
         layout_rows = decode_layouts(args, hbm)
+    floor_rows = []
+    if args.split_only:
+        print("\n== floors for a small decode call (us per call in a CUDA graph, share of copy bandwidth)")
+        floor_rows = small_read_floors(hbm)
     print("\n== split-KV decode, bench heads (us per call in a CUDA graph, share of copy bandwidth)")
     split_rows = split_decode(args, hbm)
     print("\n== decode, Gemma-3-4B heads (us per call in a CUDA graph, share of copy bandwidth; fastest 8)")
@@ -578,7 +659,8 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 payload = {"device": torch.cuda.get_device_name(), "args": vars(args)}
-                json.dump({**payload, "split_decode": split_rows, "wide_head_decode": wide_rows}, f, indent=1)
+                payload.update(split_decode=split_rows, wide_head_decode=wide_rows, floors=floor_rows)
+                json.dump(payload, f, indent=1)
         return
     rows = []
     for batch, context in [(1, 8192), (8, 8192), (64, 4096), (256, 2048), (128, 8192)]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import statistics
 import time
 
@@ -149,16 +148,14 @@ def run(
 # (label, CUDA graphs, async scheduling, variant): "unguarded" replaces the graph's checked greedy step
 # with a plain argmax, to show the guard's cost side by side; "logprobs 5" asks every request for its
 # sampled token's logprob and the top 5 (the logprobs variant of the graphs); "no split-KV" turns the
-# split-KV decode attention off (one program per row and kv head), its before/after; "fused split-KV"
-# combines the splits' partials in the split kernel (no second launch); "cuBLASLt" has torch issue the
-# projections through cuBLASLt instead of cuBLAS (bench_blas.py times both). The last four are run
-# only when named in --configs.
+# split-KV decode attention off (one program per row and kv head), its before/after; "cuBLASLt" has
+# torch issue the projections through cuBLASLt instead of cuBLAS (bench_blas.py times both). The last
+# three are run only when named in --configs.
 CONFIGS = (
     ("graphs + async", True, True, "default"),
     ("graphs + async, unguarded argmax", True, True, "unguarded"),
     ("graphs + async + logprobs 5", True, True, "logprobs"),
     ("graphs + async + no split-KV", True, True, "no_split"),
-    ("graphs + async + fused split-KV", True, True, "split_fused"),
     ("graphs + async + cuBLASLt", True, True, "cublaslt"),
     ("graphs", True, False, "default"),
     ("eager", False, False, "default"),
@@ -229,29 +226,16 @@ def main() -> None:
         plot(args.plot, medians, floor, args, name)
 
 
-OPT_IN_VARIANTS = ("logprobs", "no_split", "split_fused", "cublaslt")
+OPT_IN_VARIANTS = ("logprobs", "no_split", "cublaslt")
 
 
 @contextlib.contextmanager
 def step_variant(variant: str):
     """ "unguarded": the graph's greedy step without the non-finite-row guard (a plain argmax), for its
-    cost; "no_split": no split-KV decode attention; "split_fused": split-KV with the partials combined
-    by the split kernel's last program (no second launch); "cublaslt": projections through cuBLASLt;
+    cost; "no_split": no split-KV decode attention; "cublaslt": projections through cuBLASLt;
     "default" and "logprobs": as shipped."""
     if variant in ("default", "logprobs"):
         yield
-        return
-    if variant == "split_fused":
-        from raystate.kernels import attention_launch
-
-        saved_launches = attention_launch.DECODE_LAUNCH, attention_launch.DECODE_SHORT_STEP_LAUNCH
-        attention_launch.DECODE_LAUNCH, attention_launch.DECODE_SHORT_STEP_LAUNCH = (
-            dataclasses.replace(launch, fused_reduce=True) for launch in saved_launches
-        )
-        try:
-            yield
-        finally:
-            attention_launch.DECODE_LAUNCH, attention_launch.DECODE_SHORT_STEP_LAUNCH = saved_launches
         return
     if variant == "cublaslt":
         saved_library = torch.backends.cuda.preferred_blas_library()

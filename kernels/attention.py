@@ -377,86 +377,85 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _attend_query_tile_split(
+def _split_token(
     io,  # (query_ptr, acc_ptr, ml_ptr, q_strides, acc_strides, ml_strides)
-    row,  # (q_start, q_len, seq_len, floor), as in _attend_query_tile
-    q_first,
-    kv_head,
-    kv,
+    kv,  # (block_table_row, bt_col_stride, k_head_ptr, v_head_ptr, k_strides, v_strides)
+    token,  # the query token's index in the batch
+    q_pos,  # its position in the row
+    live,  # False: an idle row's stand-in token; reads no key, writes nothing
+    floor,
     sliding_window,
     scale_log2,
     split,  # (this program's split, the number of splits, the fewest keys a split takes)
+    lanes,  # (offs_m, heads, m_valid, offs_d, d_valid): this kv head's query heads, the head dim
     SHAPE: tl.constexpr,
-    TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
-    """_attend_query_tile over one split of the tile's keys, storing the partial softmax (base-2 running
-    max m, sum l, unnormalised output acc) of each of its queries instead of the output.
-
-    The tile's keys [tile_lo, tile_hi) are cut into `num_splits` spans of `chunk` keys from tile_lo:
-    chunk = cdiv(keys, num_splits) rounded up to whole BLOCK_N steps, and at least `min_chunk`, so each
-    span's steps are the steps the one-launch row loop takes, and a row shorter than num_splits * chunk
-    leaves its last splits empty. An empty span (or a query that sees none of the span's keys) stores
-    m = -inf and l = 0 and no acc: the reduction gives it weight 0 and never reads its acc.
-    """
-    HEAD_DIM: tl.constexpr = SHAPE[0]
+    """One query token's GROUP heads over this program's split of the token's keys [lo, q_pos]: the
+    partial softmax stored at (token, head, split). Its keys are cut into spans of chunk = cdiv(keys, S)
+    rounded up to whole BLOCK_N steps (at least min_chunk) from lo; a span past the keys is empty and
+    stores m = -inf, l = 0, acc = 0 (weight 0 in the combine)."""
     BLOCK_D: tl.constexpr = SHAPE[1]
-    GROUP: tl.constexpr = SHAPE[3]
+    BLOCK_SIZE: tl.constexpr = SHAPE[2]
+    DOT_PRECISION: tl.constexpr = SHAPE[5]
     DOT_IN_FP32: tl.constexpr = SHAPE[6]
-    BLOCK_Q: tl.constexpr = TILE[0]
-    BLOCK_M: tl.constexpr = TILE[1]
-    BLOCK_N: tl.constexpr = TILE[2]
     query_ptr, acc_ptr, ml_ptr, q_strides, acc_strides, ml_strides = io
-    q_start, q_len, seq_len, floor = row
+    bt_row, bt_col, k_head, v_head, k_strides, v_strides = kv
     split_id, num_splits, min_chunk = split
-    k_head_ptr = kv[2]
-    context_len = seq_len - q_len
-
-    offs_m = tl.arange(0, BLOCK_M)
-    q_local = q_first + offs_m // GROUP  # [BLOCK_M]
-    q_head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M]
-    m_valid = (offs_m < BLOCK_Q * GROUP) & (q_local < q_len)  # [BLOCK_M]
-    q_pos = context_len + q_local  # [BLOCK_M]
-    offs_d = tl.arange(0, BLOCK_D)
-    d_valid = offs_d < HEAD_DIM  # [BLOCK_D]
-
-    q_token = (q_start + q_local).to(tl.int64)
-    qo_mask = m_valid[:, None] & d_valid[None, :]  # [BLOCK_M, BLOCK_D]
-    q_ptrs = query_ptr + q_token[:, None] * q_strides[0] + q_head[:, None] * q_strides[1]
-    q = tl.load(q_ptrs + offs_d[None, :] * q_strides[2], mask=qo_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
-    q = q.to(tl.float32) if DOT_IN_FP32 else q.to(k_head_ptr.dtype.element_ty)
-
-    m_lo = tl.maximum(q_pos * 0 + floor, tl.where(sliding_window > 0, q_pos - sliding_window + 1, 0))
-    tile_first_pos = context_len + q_first
-    tile_lo = tl.maximum(floor, tl.where(sliding_window > 0, tile_first_pos - sliding_window + 1, 0))
-    tile_hi = context_len + tl.minimum(q_first + BLOCK_Q, q_len)
-    # This split's span [span_lo, span_hi) of the tile's keys.
-    per_split = (tl.maximum(tile_hi - tile_lo, 0) + num_splits - 1) // num_splits
+    offs_m, heads, m_valid, offs_d, d_valid = lanes
+    lo = tl.maximum(floor, tl.where(sliding_window > 0, q_pos - sliding_window + 1, 0))
+    keys = tl.where(live, tl.maximum(q_pos + 1 - lo, 0), 0)
+    per_split = (keys + num_splits - 1) // num_splits
     chunk = tl.maximum((per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N, min_chunk)
-    span_lo = tile_lo + split_id * chunk
-    span_hi = tl.minimum(span_lo + chunk, tile_hi)
-    # The loads stay within the span (tile bounds), and so does each query's visible range: its highest
-    # key clamped to the span's last, its lowest raised to the span's first.
-    bounds = (tl.minimum(q_pos, span_hi - 1), tl.maximum(m_lo, span_lo), span_lo, span_hi)
-    cols = (offs_d, d_valid)
+    span_lo = lo + split_id * chunk
+    span_hi = tl.minimum(span_lo + chunk, lo + keys)
+    tok = token.to(tl.int64)
+    mask_m = m_valid & ((offs_m * 0 + live.to(tl.int32)) != 0)  # [BLOCK_M]
+    md_mask = mask_m[:, None] & d_valid[None, :]  # [BLOCK_M, BLOCK_D]
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    q_ptrs = query_ptr + tok * q_strides[0] + heads[:, None] * q_strides[1] + offs_d[None, :] * q_strides[2]
+    q = tl.load(q_ptrs, mask=md_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = q.to(tl.float32) if DOT_IN_FP32 else q.to(k_head.dtype.element_ty)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the base-2 scores
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, m_i, l_i = _attend_span(
-        acc, m_i, l_i, q, span_lo, span_hi, bounds, kv, cols, scale_log2, True, SHAPE, TILE
-    )
+    for start in tl.range(span_lo, span_hi, BLOCK_N, num_stages=NUM_STAGES):
+        k_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        k_valid = k_pos < span_hi
+        blocks = tl.load(bt_row + (k_pos // BLOCK_SIZE) * bt_col, mask=k_valid, other=0).to(tl.int64)
+        slots = k_pos % BLOCK_SIZE
+        kv_mask = k_valid[:, None] & d_valid[None, :]  # [BLOCK_N, BLOCK_D]
+        k_off = blocks * k_strides[0] + slots * k_strides[1]  # [BLOCK_N]
+        v_off = blocks * v_strides[0] + slots * v_strides[1]
+        # K and V of the step are requested together: V does not wait for the scores.
+        k_t = tl.load(
+            k_head + k_off[None, :] + offs_d[:, None] * k_strides[3], mask=tl.trans(kv_mask), other=0.0
+        )  # [BLOCK_D, BLOCK_N]
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :] * v_strides[3], mask=kv_mask, other=0.0)
+        if DOT_IN_FP32:
+            k_t = k_t.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        scores = tl.where(k_valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a span with no key: exp2 gives 0
+        p = tl.exp2(scores - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
 
-    ml_ptrs = ml_ptr + q_token * ml_strides[0] + q_head * ml_strides[1] + split_id * ml_strides[2]  # [M]
-    tl.store(ml_ptrs, m_i, mask=m_valid)
-    tl.store(ml_ptrs + ml_strides[3], l_i, mask=m_valid)
-    a_ptrs = acc_ptr + q_token[:, None] * acc_strides[0] + q_head[:, None] * acc_strides[1]
-    a_ptrs += split_id * acc_strides[2] + offs_d[None, :] * acc_strides[3]
-    non_empty = (offs_m * 0 + span_lo) < span_hi  # [BLOCK_M]: the span, broadcast to a mask's shape
-    tl.store(a_ptrs, acc, mask=qo_mask & non_empty[:, None])
+    ml_ptrs = ml_ptr + tok * ml_strides[0] + heads * ml_strides[1] + split_id * ml_strides[2]  # [BLOCK_M]
+    tl.store(ml_ptrs, m_i, mask=mask_m)
+    tl.store(ml_ptrs + ml_strides[3], l_i, mask=mask_m)
+    a_ptrs = acc_ptr + tok * acc_strides[0] + heads[:, None] * acc_strides[1] + split_id * acc_strides[2]
+    tl.store(a_ptrs + offs_d[None, :] * acc_strides[3], acc, mask=md_mask)
 
 
 @triton.jit(do_not_specialize=["sliding_window", "min_chunk"])
-def _paged_attention_split_kernel(
+def _split_kv_kernel(
     query_ptr,  # [T, H_q, D]
     k_cache_ptr,  # [num_blocks, block_size, H_kv, D]
     v_cache_ptr,  # [num_blocks, block_size, H_kv, D]
@@ -469,131 +468,83 @@ def _paged_attention_split_kernel(
     scale_log2,
     sliding_window,
     min_chunk,  # fewest keys a split takes, a multiple of BLOCK_N
-    q_strides,
-    k_strides,
+    q_strides,  # query's (token, head, dim)
+    k_strides,  # the K cache's (block, slot, head, dim)
     v_strides,
     acc_strides,  # acc's (token, head, split, dim)
     ml_strides,  # ml's (token, head, split, [m, l])
     bt_strides,
-    out_ptr,  # [T, H_q, D]; written here only with FUSED_REDUCE
-    o_strides,
-    arrivals_ptr,  # int32 [>= B * H_kv], zero between launches; read only with FUSED_REDUCE
-    SHAPE: tl.constexpr,
-    TILE: tl.constexpr,  # the row layout's (BLOCK_Q, BLOCK_M, BLOCK_N, True)
-    FUSED_REDUCE: tl.constexpr,  # the last split of a (row, kv head) to finish combines the partials
-    CHUNK_S: tl.constexpr,  # splits combined per step (_combine_splits)
+    SHAPE: tl.constexpr,  # as _paged_attention_kernel's
+    BLOCK_M: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
+    BLOCK_N: tl.constexpr,  # keys per step
+    NUM_STAGES: tl.constexpr,  # software pipelining of the key loop (1: none)
 ):
-    """Split-KV row layout, grid (B, H_kv, S): program (row, kv head, split) runs every query tile of the
-    row over split `split` of each tile's keys and stores the partials. With FUSED_REDUCE the program
-    that arrives last for its (row, kv head) (an atomic counter) combines them into the output in split
-    order, so the result does not depend on which one that is, and re-arms the counter for the next
-    launch: one launch instead of two (a graph node and a launch gap fewer). Without it,
-    _split_reduce_kernel combines them in a second launch. S comes from the host (the grid), never from
-    seq_lens: CUDA-graph safe."""
-    HAS_FLOOR: tl.constexpr = SHAPE[4]
+    """Split-KV decode, grid (B, H_kv, S): program (row, kv head, split) attends the GROUP query heads of
+    each of the row's query tokens over split `split` of that token's keys and stores the partial softmax
+    (base-2 max m, sum l, unnormalised output acc); _split_combine_kernel merges the S partials.
+
+    Written for the launches it serves, batches too small to fill the GPU, where a call's time is a chain
+    of dependent memory round trips more than the bytes it reads: the row's bounds (three independent
+    loads), then the query and the span's block ids, then K and V of a key step together, before any
+    arithmetic. The row's first token runs straight-line (no loop around it: on the H200 a token loop
+    around the key loop cost ~1 us a call); a decode row has only that one, an idle row (q_len 0) runs it
+    as a stand-in that reads and writes nothing, and a longer row (a caller whose max_query_len
+    understated its rows) stays exact, its other tokens one at a time in a loop. Token t of a row of
+    q_len sits at p_t = seq_len - q_len + t and reads keys [max(floor, p_t - W + 1), p_t]. S comes from
+    the host (the grid), never from seq_lens: CUDA-graph safe."""
     HEAD_DIM: tl.constexpr = SHAPE[0]
     BLOCK_D: tl.constexpr = SHAPE[1]
     GROUP: tl.constexpr = SHAPE[3]
-    BLOCK_Q: tl.constexpr = TILE[0]
+    HAS_FLOOR: tl.constexpr = SHAPE[4]
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split_id = tl.program_id(2)
-    num_splits = tl.num_programs(2)
+    split = (tl.program_id(2), tl.num_programs(2), min_chunk)
 
     q_start = tl.load(query_start_loc_ptr + row)
-    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
+    q_end = tl.load(query_start_loc_ptr + row + 1)
     seq_len = tl.load(seq_lens_ptr + row)
     floor = tl.maximum(tl.load(kv_floor_ptr + row), 0) if HAS_FLOOR else row * 0
-    block_table_row = block_table_ptr + row.to(tl.int64) * bt_strides[0]
-    k_head_ptr = k_cache_ptr + kv_head.to(tl.int64) * k_strides[2]
-    v_head_ptr = v_cache_ptr + kv_head.to(tl.int64) * v_strides[2]
-    kv = (block_table_row, bt_strides[1], k_head_ptr, v_head_ptr, k_strides, v_strides)
-    for q_first in range(q_len * 0, q_len, BLOCK_Q):  # once for a decode row, never for an idle one
-        _attend_query_tile_split(
-            (query_ptr, acc_ptr, ml_ptr, q_strides, acc_strides, ml_strides),
-            (q_start, q_len, seq_len, floor),
-            q_first,
-            kv_head,
-            kv,
-            sliding_window,
-            scale_log2,
-            (split_id, num_splits, min_chunk),
-            SHAPE,
-            TILE,
-        )
-    if FUSED_REDUCE:
-        tl.debug_barrier()  # every thread's partials are written before the count says so
-        arrivals = arrivals_ptr + row * tl.num_programs(1) + kv_head
-        arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:  # the last of this row's splits: every partial is in memory
-            offs_d = tl.arange(0, BLOCK_D)
-            d_valid = offs_d < HEAD_DIM  # [BLOCK_D]
-            for t in range(q_len * 0, q_len):  # once for a decode row
-                token = (q_start + t).to(tl.int64)
-                for g in tl.static_range(GROUP):  # unrolled: the heads' loads can overlap
-                    head = kv_head * GROUP + g
-                    _combine_splits(
-                        ml_ptr + token * ml_strides[0] + head * ml_strides[1],
-                        acc_ptr + token * acc_strides[0] + head * acc_strides[1],
-                        out_ptr + token * o_strides[0] + head * o_strides[1] + offs_d * o_strides[2],
-                        num_splits,
-                        (ml_strides[2], ml_strides[3], acc_strides[2], acc_strides[3]),
-                        offs_d,
-                        d_valid,
-                        HEAD_DIM,
-                        CHUNK_S,
-                    )
-            tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")  # re-armed for the next launch
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    # A head dim that is its own power of two masks nothing: a constant mask keeps the loads and stores
+    # vectorised along D.
+    d_valid = offs_d < HEAD_DIM if HEAD_DIM != BLOCK_D else tl.full([BLOCK_D], 1, tl.int1)  # [BLOCK_D]
+    lanes = (offs_m, kv_head * GROUP + offs_m, offs_m < GROUP, offs_d, d_valid)
+    io = (query_ptr, acc_ptr, ml_ptr, q_strides, acc_strides, ml_strides)
+    bt_row = block_table_ptr + row.to(tl.int64) * bt_strides[0]
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * k_strides[2]
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * v_strides[2]
+    kv = (bt_row, bt_strides[1], k_head, v_head, k_strides, v_strides)
+    first_pos = seq_len - q_end + q_start
+    _split_token(
+        io, kv, q_start, first_pos, q_end > q_start, floor, sliding_window, scale_log2, split, lanes,
+        SHAPE, BLOCK_M, BLOCK_N, NUM_STAGES,
+    )  # fmt: skip
+    for token in range(q_start + 1, q_end):  # never for a decode row
+        live = token < q_end  # a tensor under the interpreter too
+        _split_token(
+            io, kv, q_start * 0 + token, first_pos + (token - q_start), live, floor, sliding_window,
+            scale_log2, split, lanes, SHAPE, BLOCK_M, BLOCK_N, NUM_STAGES,
+        )  # fmt: skip
 
 
 @triton.jit
-def _combine_splits(
-    ml_row,  # this query and head's partials: [S, (m, l)]
-    acc_row,  # [S, D]
-    o_ptrs,  # [BLOCK_D]: its output
-    num_splits,
-    strides,  # (ml's split and m/l strides, acc's split and dim strides)
-    offs_d,  # [BLOCK_D]
-    store_mask,  # [BLOCK_D]
-    HEAD_DIM: tl.constexpr,
-    CHUNK_S: tl.constexpr,
-):
-    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s, online over chunks of
-    CHUNK_S splits in split order. Splits with m_s = -inf (empty) weigh 0 and their acc (never written)
-    is discarded with a select, not a load mask, so every load of a chunk issues at once; a query that
-    saw no key at all gets 0 (as the one-launch kernel). The loads bypass L1 (.cg): other programs wrote
-    the partials."""
-    ml_split, ml_l, acc_split, acc_dim = strides
-    offs_c = tl.arange(0, CHUNK_S)
-    d_valid = offs_d < HEAD_DIM
-    m_run = tl.max(tl.full([CHUNK_S], float("-inf"), tl.float32), 0)  # fp32 scalar
-    l_run = tl.sum(tl.zeros([CHUNK_S], tl.float32), 0)
-    out = tl.zeros(offs_d.shape, tl.float32)  # [BLOCK_D]
-    for s0 in range(0, num_splits, CHUNK_S):
-        offs_s = s0 + offs_c
-        s_valid = offs_s < num_splits
-        s_ptrs = ml_row + offs_s * ml_split
-        m_s = tl.load(s_ptrs, mask=s_valid, other=float("-inf"), cache_modifier=".cg")  # [CHUNK_S]
-        l_s = tl.load(s_ptrs + ml_l, mask=s_valid, other=0.0, cache_modifier=".cg")
-        a_ptrs = acc_row + offs_s[:, None] * acc_split + offs_d[None, :] * acc_dim
-        acc_s = tl.load(
-            a_ptrs, mask=s_valid[:, None] & d_valid[None, :], other=0.0, cache_modifier=".cg"
-        )  # [CHUNK_S, BLOCK_D]
-        seen = m_s > float("-inf")
-        acc_s = tl.where(seen[:, None], acc_s, 0.0)
-        m_new = tl.maximum(m_run, tl.max(m_s, 0))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_shift)
-        weight = tl.exp2(m_s - m_shift)  # 0 where empty
-        l_run = l_run * alpha + tl.sum(tl.where(seen, weight * l_s, 0.0), 0)
-        out = out * alpha + tl.sum(acc_s * weight[:, None], 0)
-        m_run = m_new
-    out = out / tl.where(l_run > 0.0, l_run, 1.0)
-    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=store_mask)
+def _merge_split_chunk(ml_row, acc_row, s0, num_splits, ml_strides, acc_strides, CHUNK_S: tl.constexpr):
+    """Splits [s0, s0 + CHUNK_S) of one token and head, loaded at once and merged: (M, sum_s 2^(m_s - M)
+    l_s, sum_s 2^(m_s - M) acc_s) with M their largest m (0 shift where every split is empty: weight 0)."""
+    offs_s = s0 + tl.arange(0, CHUNK_S)
+    s_valid = offs_s < num_splits
+    m_s = tl.load(ml_row + offs_s * ml_strides[2], mask=s_valid, other=float("-inf"))  # [CHUNK_S]
+    l_s = tl.load(ml_row + offs_s * ml_strides[2] + ml_strides[3], mask=s_valid, other=0.0)
+    acc_s = tl.load(acc_row + offs_s[:, None] * acc_strides[2], mask=s_valid[:, None], other=0.0)
+    m_max = tl.max(m_s, 0)
+    weight = tl.exp2(m_s - tl.where(m_max == float("-inf"), 0.0, m_max))  # [CHUNK_S]; 0 for an empty split
+    return m_max, tl.sum(weight * l_s, 0), tl.sum(acc_s * weight[:, None], 0)
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_splits"])
-def _split_reduce_kernel(
+def _split_combine_kernel(
     acc_ptr,  # fp32 [T, H_q, S, D]
     ml_ptr,  # fp32 [T, H_q, S, 2]
     out_ptr,  # [T, H_q, D]
@@ -604,27 +555,43 @@ def _split_reduce_kernel(
     ml_strides,
     o_strides,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CHUNK_S: tl.constexpr,  # splits combined per step: all of them (S <= CHUNK_S) in one step
+    D_SLICE: tl.constexpr,  # head-dim lanes per program
+    CHUNK_S: tl.constexpr,  # splits loaded at once: all of them (S <= CHUNK_S) in one round trip
 ):
-    """Grid (T, H_q): combines the S partials of one query token and head into its output
-    (_combine_splits). Tokens past query_start_loc[B] (padding) are not written."""
+    """Grid (T, H_q, BLOCK_D / D_SLICE): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (M = max_s
+    m_s) for one query token, head and slice of the head dim, in split order (online over chunks of
+    CHUNK_S splits where S is larger), so the result does not depend on the launch. Slicing the head dim
+    spreads a batch-1 combine over several programs, each loading its splits' partials at once. An empty
+    split (m_s = -inf) weighs 0; a query that saw no key gets 0 (as the one-launch kernel). Tokens past
+    query_start_loc[B] (padding) are not written."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    offs_d = tl.program_id(2) * D_SLICE + tl.arange(0, D_SLICE)  # [D_SLICE]
     num_real = tl.load(query_start_loc_ptr + num_rows)  # tokens past it are padding
-    offs_d = tl.arange(0, BLOCK_D)
-    real = (offs_d * 0 + token) < num_real  # [BLOCK_D]: this token, broadcast to the store's shape
-    _combine_splits(
-        ml_ptr + token * ml_strides[0] + head * ml_strides[1],
-        acc_ptr + token * acc_strides[0] + head * acc_strides[1],
-        out_ptr + token * o_strides[0] + head * o_strides[1] + offs_d * o_strides[2],
-        num_splits,
-        (ml_strides[2], ml_strides[3], acc_strides[2], acc_strides[3]),
-        offs_d,
-        (offs_d < HEAD_DIM) & real,
-        HEAD_DIM,
-        CHUNK_S,
+    ml_row = ml_ptr + token * ml_strides[0] + head * ml_strides[1]
+    acc_row = acc_ptr + token * acc_strides[0] + head * acc_strides[1] + offs_d[None, :] * acc_strides[3]
+    # The first chunk straight-line (every split of a small launch: one round trip), the rest in order.
+    m_run, l_run, out = _merge_split_chunk(ml_row, acc_row, 0, num_splits, ml_strides, acc_strides, CHUNK_S)
+    for s0 in range(CHUNK_S, num_splits, CHUNK_S):
+        m_c, l_c, out_c = _merge_split_chunk(
+            ml_row, acc_row, s0, num_splits, ml_strides, acc_strides, CHUNK_S
+        )
+        m_new = tl.maximum(m_run, m_c)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha, beta = tl.exp2(m_run - m_shift), tl.exp2(m_c - m_shift)
+        l_run = l_run * alpha + l_c * beta
+        out = out * alpha + out_c * beta
+        m_run = m_new
+    out = out / tl.where(l_run > 0.0, l_run, 1.0)
+    store_mask = (offs_d < HEAD_DIM) & ((offs_d * 0 + token) < num_real)
+    tl.store(
+        out_ptr + token * o_strides[0] + head * o_strides[1] + offs_d * o_strides[2], out, mask=store_mask
     )
+
+
+# The combine's head-dim slice and how many fp32 partials a program loads at once (CHUNK_S x D_SLICE).
+COMBINE_D_SLICE = 32
+COMBINE_CHUNK_ELEMS = 4096
 
 
 def _paged_attention_triton(
@@ -694,32 +661,6 @@ def _paged_attention_triton(
     return out
 
 
-# Per device, the split kernel's arrival counters (int32, zero between launches: each launch's last
-# program of a (row, kv head) re-arms its own). A CUDA graph keeps the address it captured, so a buffer
-# that grows is replaced, never freed: _RETIRED holds the old ones.
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-_MIN_ARRIVALS = 4096  # the policy splits only launches of at most one (row, kv head) per multiprocessor
-
-
-def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """At least `needed` zeroed counters on `device`, the same tensor for every launch that fits it.
-    Growing one inside a CUDA graph capture would record a memset into the graph and allocate from its
-    pool: refused (the policy's launches need at most one counter per multiprocessor)."""
-    have = _ARRIVALS.get(device)
-    if have is not None and have.numel() >= needed:
-        return have
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"split-KV attention needs {needed} arrival counters, {0 if have is None else have.numel()} "
-            "exist, and none can be allocated during CUDA graph capture: run the launch once before capturing"
-        )
-    if have is not None:
-        _RETIRED.append(have)
-    _ARRIVALS[device] = torch.zeros(max(needed, _MIN_ARRIVALS), dtype=torch.int32, device=device)
-    return _ARRIVALS[device]
-
-
 def _split_attention(
     args: tuple,
     plan: LaunchPlan,
@@ -728,10 +669,10 @@ def _split_attention(
     out: torch.Tensor,
     compile_only: bool,
 ) -> None:
-    """The split-KV path: the partials kernel over grid (B, H_kv, S), which combines them itself
-    (plan.fused_reduce) or leaves that to a second launch over (T, H_q). The partials are one fp32
-    buffer of T x H_q x S x (D + 2), sized from host values only (so a CUDA graph captures its allocation
-    from the graph's pool); nothing of it is read before it is written."""
+    """The split-KV path: _split_kv_kernel over grid (B, H_kv, S), then _split_combine_kernel over
+    (T, H_q, head-dim slices). The partials are one fp32 buffer of T x H_q x S x (D + 2), sized from host
+    values only (so a CUDA graph captures its allocation from the graph's pool); every split of every real
+    token writes its partials before the combine reads them."""
     query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, sliding_window, _, _ = args
     num_tokens, num_q_heads, head_dim = query.shape
     num_rows = seq_lens.shape[0]
@@ -742,16 +683,16 @@ def _split_attention(
     n_acc = num_tokens * num_q_heads * splits * head_dim
     acc = partials[:n_acc].view(num_tokens, num_q_heads, splits, head_dim)
     ml = partials[n_acc:].view(num_tokens, num_q_heads, splits, 2)
-    split_kernel, reduce_kernel = _paged_attention_split_kernel, _split_reduce_kernel
-    reduce_grid = (num_tokens, num_q_heads)
-    if compile_only:
-        run_split = functools.partial(split_kernel.warmup, grid=plan.grid)
-        run_reduce = functools.partial(reduce_kernel.warmup, grid=reduce_grid)
-    else:
-        run_split, run_reduce = split_kernel[plan.grid], reduce_kernel[reduce_grid]
     block_d = shape[1]
-    chunk_s = min(next_pow2(splits), max(1, 8192 // block_d))
-    arrivals = _arrival_counters(query.device, num_rows * k_cache.shape[2]) if plan.fused_reduce else seq_lens
+    d_slice = min(block_d, COMBINE_D_SLICE)
+    chunk_s = min(next_pow2(splits), max(1, COMBINE_CHUNK_ELEMS // d_slice))
+    split_grid, combine_grid = plan.grid, (num_tokens, num_q_heads, block_d // d_slice)
+    split_kernel, combine_kernel = _split_kv_kernel, _split_combine_kernel
+    if compile_only:
+        run_split = functools.partial(split_kernel.warmup, grid=split_grid)
+        run_combine = functools.partial(combine_kernel.warmup, grid=combine_grid)
+    else:
+        run_split, run_combine = split_kernel[split_grid], combine_kernel[combine_grid]
     run_split(
         query,
         k_cache,
@@ -771,19 +712,13 @@ def _split_attention(
         acc.stride(),
         ml.stride(),
         block_table.stride(),
-        out,
-        out.stride(),
-        arrivals,
         SHAPE=shape,
-        TILE=plan.tile,
-        FUSED_REDUCE=plan.fused_reduce,
-        CHUNK_S=chunk_s,
+        BLOCK_M=max(16, next_pow2(shape[3])),  # one token's GROUP heads, whatever tile the plan sized
+        BLOCK_N=plan.tile[2],
+        NUM_STAGES=plan.num_stages,
         num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
     )
-    if plan.fused_reduce:
-        return
-    run_reduce(
+    run_combine(
         acc,
         ml,
         out,
@@ -794,7 +729,7 @@ def _split_attention(
         ml.stride(),
         out.stride(),
         HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
+        D_SLICE=d_slice,
         CHUNK_S=chunk_s,
         num_warps=4,
     )

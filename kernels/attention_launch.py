@@ -21,8 +21,7 @@ faster at B = 256, 27.7 against 33.2 us).
 Split-KV decode: a decode-shaped launch (max_query_len == 1) whose (row, kv head) programs cannot fill
 the GPU (fewer than SPLIT_PROGRAMS_PER_SM per multiprocessor; batch 1 or 8 at 4 kv heads gives 4 or 32
 programs for 132 SMs) splits each row's key range over `kv_splits` programs, each writing a partial
-softmax (max, sum, unnormalised output), and a second small launch combines them (`attention.py`; with
-`AttentionLaunch.fused_reduce` the last of a row's splits to finish combines them in the same launch). The
+softmax (max, sum, unnormalised output), and a second small launch combines them (`attention.py`). The
 split count is a function of host-known values only (rows, kv heads, the multiprocessor count and the
 key bound: the block table's width times the block size, i.e. max_model_len, capped by the window), never
 of the device seq_lens, so a CUDA graph captures it; the kernel spreads each row's actual keys over the
@@ -59,19 +58,12 @@ class AttentionLaunch:
     # Fewest keys a split takes (rounded up to whole key steps), so a short row fills few splits; also
     # bounds kv_splits by the key bound (SPLIT_MIN_KEYS for the policy's launches).
     split_min_keys: int = 256
-    # Split-KV: the last split of a (row, kv head) to finish combines the partials in the same launch
-    # (True), or a second launch does (False, the default). On the H200 the fused combine is exact (the
-    # compiled split tests) but slower in every split case, 1.3-3.0 us a call (13.13 against 11.47 us at
-    # batch 1, 2k; 46.61 against 44.40 at batch 8, 8k): its serial tail costs more than the launch it
-    # saves (BENCHMARKS.md, "Split-KV decode attention").
-    fused_reduce: bool = False
 
     def tag(self) -> str:
         """A short name for tables: layout, score rows, keys per step, warps, stages."""
         warps = "auto" if self.num_warps is None else self.num_warps
         layout = "rows" if self.row_programs else "tiles"
         split = f" split{self.kv_splits}/{self.split_min_keys}" if self.kv_splits > 1 else ""
-        split += " fused" if self.fused_reduce and self.kv_splits > 1 else ""
         return f"{layout} M{self.block_m} N{self.block_n} w{warps} s{self.num_stages}{split}"
 
 
@@ -84,9 +76,11 @@ DECODE_SHORT_STEP_LAUNCH = AttentionLaunch(block_n=64, row_programs=True)
 DECODE_MAX_WAVES = 2
 SHORT_WINDOW = 128
 # Split-KV decode (decode_kv_splits): split while rows x kv heads give fewer than SPLIT_PROGRAMS_PER_SM
-# programs per multiprocessor, into at most that many programs in all, each taking >= SPLIT_MIN_KEYS keys.
+# programs per multiprocessor, into at most that many programs in all, each taking >= SPLIT_MIN_KEYS keys,
+# with SPLIT_LAUNCH's key step and stages.
 SPLIT_PROGRAMS_PER_SM = 2
-SPLIT_MIN_KEYS = 256
+SPLIT_MIN_KEYS = 128
+SPLIT_LAUNCH = AttentionLaunch(block_n=128, num_stages=2, row_programs=True)
 
 
 class LaunchPlan(NamedTuple):
@@ -98,7 +92,6 @@ class LaunchPlan(NamedTuple):
     num_stages: int
     kv_splits: int = 1  # > 1: the split-KV kernel and its reduction instead of the one-launch kernel
     split_min_keys: int = 0  # keys a split takes at least (a multiple of BLOCK_N); split-KV only
-    fused_reduce: bool = False  # split-KV: the split kernel combines its partials (no second launch)
 
 
 def decode_kv_splits(
@@ -135,6 +128,7 @@ def launch_config(
     key_row_bytes: int = 0,
     smem_limit: int | None = None,
     decode_waves: float = 0.0,
+    split: bool = False,
 ) -> tuple[int, AttentionLaunch]:
     """(BLOCK_Q, the launch with block_m and num_warps resolved) for this call.
 
@@ -142,11 +136,11 @@ def launch_config(
     (DECODE_SHORT_STEP_LAUNCH for a short window or more than DECODE_MAX_WAVES `decode_waves`: rows x kv
     heads over the GPU's multiprocessors, else DECODE_LAUNCH), made to fit `smem_limit` bytes of shared
     memory for keys of `key_row_bytes` (the defaults are sized for bf16: fp32 caches of D = 128 would not
-    compile). An explicit one applies as given (its block_m still caps the tile, which short queries
-    shrink).
+    compile). A policy split (`split`) takes SPLIT_LAUNCH the same way. An explicit one applies as given
+    (its block_m still caps the tile, which short queries shrink).
     """
     short = 0 < sliding_window <= SHORT_WINDOW or decode_waves > DECODE_MAX_WAVES
-    decode = DECODE_SHORT_STEP_LAUNCH if short else DECODE_LAUNCH
+    decode = SPLIT_LAUNCH if split else DECODE_SHORT_STEP_LAUNCH if short else DECODE_LAUNCH
     return _resolve_launch(group, max_query_len, launch, decode, key_row_bytes, smem_limit)
 
 
@@ -240,18 +234,21 @@ def plan_launch(
     kv_splits.
     """
     smem, sms = device_shape(device)
+    explicit = launch
+    bound = min(key_bound, sliding_window) if sliding_window > 0 else key_bound  # most keys a row reads
     waves = 0.0 if sms is None else num_rows * num_kv_heads / sms
     splits = 1
     min_keys = SPLIT_MIN_KEYS
     if launch is None and max_query_len == 1 and sms is not None:
-        bound = min(key_bound, sliding_window) if sliding_window > 0 else key_bound
         splits = decode_kv_splits(num_rows, num_kv_heads, bound, sms, min_keys)
         waves *= splits
     elif launch is not None and launch.kv_splits > 1:
         if not launch.row_programs:
             raise ValueError("kv_splits > 1 needs the row layout (row_programs=True)")
         splits, min_keys = launch.kv_splits, launch.split_min_keys
-    block_q, launch = launch_config(group, max_query_len, launch, sliding_window, key_row_bytes, smem, waves)
+    block_q, launch = launch_config(
+        group, max_query_len, launch, sliding_window, key_row_bytes, smem, waves, split=splits > 1
+    )
     if splits > 1 and not launch.row_programs:  # a policy split only applies to the decode (row) layout
         splits = 1
     if splits > 1:
@@ -262,12 +259,17 @@ def plan_launch(
         grid = ((num_tokens // block_q + num_rows) * num_kv_heads,)
     tile = (block_q, launch.block_m, launch.block_n, launch.row_programs)
     min_chunk = -(-max(min_keys, 1) // launch.block_n) * launch.block_n
+    stages = launch.num_stages
+    if splits > 1 and explicit is None and -(-max(bound, 1) // splits) <= launch.block_n:
+        # A policy split of one key step: nothing to pipeline, and the pipelined loop's prologue costs
+        # (H200, batch 1 at 8k: 11.6 us at 1 stage against 11.9 at 2; 8 steps a split at batch 8 want 2:
+        # 41.5 us against 52.5 at 1).
+        stages = 1
     return LaunchPlan(
         grid,
         tile,
         launch.num_warps,
-        launch.num_stages,
+        stages,
         splits,
         min_chunk if splits > 1 else 0,
-        launch.fused_reduce,
     )

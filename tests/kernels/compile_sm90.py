@@ -59,7 +59,8 @@ def main() -> None:
     results = {}
     # (q heads, kv heads, head dim, key step, stages, splits): the bench model, Gemma-3-4B, Qwen3-8B.
     for hq, hkv, d, block_n, stages, splits in [
-        (16, 4, 128, 128, 3, 32),
+        (16, 4, 128, 128, 1, 64),
+        (16, 4, 128, 128, 2, 32),
         (8, 4, 256, 64, 3, 4),
         (32, 8, 128, 64, 2, 8),
     ]:
@@ -73,28 +74,25 @@ def main() -> None:
         ml = torch.empty(rows, hq, splits, 2, dtype=torch.float32)
         group = hq // hkv
         shape = (d, d, 16, group, True, "tf32", False)
-        tile = (1, max(16, group), block_n, True)
-        chunk_s = min(triton_next_pow2(splits), 8192 // d)
-        for fused in (False, True):
-            kernel = attention._paged_attention_split_kernel.warmup(
-                q, cache, cache, acc, ml, table, qsl, lens, lens, 1.0, 0, 256,
-                q.stride(), cache.stride(), cache.stride(), acc.stride(), ml.stride(), table.stride(),
-                q, q.stride(), lens,
-                SHAPE=shape, TILE=tile, FUSED_REDUCE=fused, CHUNK_S=chunk_s, num_warps=4, num_stages=stages,
-                grid=(rows, hkv, splits),
-            )  # fmt: skip
-            ptx = kernel.asm["ptx"]
-            results[f"split hq{hq} hkv{hkv} d{d} fused={fused}"] = {
-                "shared": kernel.metadata.shared,
-                "cubin_bytes": len(kernel.asm["cubin"]),
-                "atomics": sorted(set(re.findall(r"atom\.[\w.]+", ptx))),
-                "l2_loads": bool(re.search(r"ld\.global\.cg", ptx)),
-            }
-        kernel = attention._split_reduce_kernel.warmup(
-            acc, ml, q, qsl, rows, splits, acc.stride(), ml.stride(), q.stride(),
-            HEAD_DIM=d, BLOCK_D=d, CHUNK_S=chunk_s, num_warps=4, grid=(rows, hq),
+        kernel = attention._split_kv_kernel.warmup(
+            q, cache, cache, acc, ml, table, qsl, lens, lens, 1.0, 0, 128,
+            q.stride(), cache.stride(), cache.stride(), acc.stride(), ml.stride(), table.stride(),
+            SHAPE=shape, BLOCK_M=max(16, group), BLOCK_N=block_n, NUM_STAGES=stages, num_warps=4,
+            grid=(rows, hkv, splits),
         )  # fmt: skip
-        results[f"reduce hq{hq} d{d}"] = {
+        ptx = kernel.asm["ptx"]
+        results[f"split hq{hq} hkv{hkv} d{d} N{block_n} s{stages}"] = {
+            "shared": kernel.metadata.shared,
+            "cubin_bytes": len(kernel.asm["cubin"]),
+            "atomics": sorted(set(re.findall(r"atom\.[\w.]+", ptx))),
+        }
+        d_slice = min(d, attention.COMBINE_D_SLICE)
+        kernel = attention._split_combine_kernel.warmup(
+            acc, ml, q, qsl, rows, splits, acc.stride(), ml.stride(), q.stride(),
+            HEAD_DIM=d, D_SLICE=d_slice, CHUNK_S=triton_next_pow2(splits), num_warps=4,
+            grid=(rows, hq, d // d_slice),
+        )  # fmt: skip
+        results[f"combine hq{hq} d{d} S{splits}"] = {
             "shared": kernel.metadata.shared,
             "cubin_bytes": len(kernel.asm["cubin"]),
         }

@@ -41,9 +41,9 @@ def split_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def split_launch(splits: int, block_n: int = 16, min_keys: int = 16, fused: bool = True) -> AttentionLaunch:
+def split_launch(splits: int, block_n: int = 16, min_keys: int = 16, stages: int = 2) -> AttentionLaunch:
     return AttentionLaunch(
-        block_n=block_n, row_programs=True, kv_splits=splits, split_min_keys=min_keys, fused_reduce=fused
+        block_n=block_n, num_stages=stages, row_programs=True, kv_splits=splits, split_min_keys=min_keys
     )
 
 
@@ -167,7 +167,7 @@ def test_idle_rows_and_padding_are_not_written(device, split_calls):
 
 def test_multi_query_rows_stay_exact(device, split_calls):
     """max_query_len only shapes tiles: an understated hint (prefill rows in a 'decode' launch) or a
-    forced split on a mixed batch still gives the reference, each query tile split on its own."""
+    forced split on a mixed batch still gives the reference, each query token split on its own."""
     batch = PagedBatch(
         device, gen(46), [1, 20, 5, 1], [100, 20, 60, 45], num_q_heads=8, num_kv_heads=2, window=30,
         floors=[0, 0, 10, 3],
@@ -220,34 +220,20 @@ def test_random_decode_batches(seed, device, split_calls):
     assert split_calls == [launch.kv_splits]
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_fused_reduction_equals_the_second_launch(seed, device, split_calls):
-    """The last split of a (row, kv head) to finish combines the partials in the split kernel; the
-    two-launch path gives the same output (one combine routine, the same split order), every launch
-    leaves the arrival counters at zero for the next, and a repeated launch reproduces the output bit
-    for bit whichever program arrives last."""
-    batch, launch, tol = random_decode_batch(200 + seed, device)
-    n = batch.num_real_tokens
-    fused = assert_matches_reference(batch, tol, launch=launch, max_query_len=1).clone()
-    counters = attention._ARRIVALS[batch.query.device]
-    assert not counters.any()
-    assert torch.equal(batch.run(launch=launch, max_query_len=1)[:n], fused[:n])
-    two = assert_matches_reference(batch, tol, launch=replace(launch, fused_reduce=False), max_query_len=1)
-    torch.testing.assert_close(two[:n].float(), fused[:n].float(), rtol=1e-6, atol=1e-6)
-    assert not counters.any() and attention._ARRIVALS[batch.query.device] is counters
-    assert split_calls == [launch.kv_splits] * 3
+@pytest.mark.parametrize("stages", [1, 3])
+def test_key_loop_stages(stages, device, split_calls):
+    """The key loop's pipelining depth (SPLIT_LAUNCH takes 1 or more) changes nothing but speed."""
+    batch, launch, tol = random_decode_batch(300 + stages, device)
+    assert_matches_reference(batch, tol, launch=replace(launch, num_stages=stages), max_query_len=1)
+    assert split_calls == [launch.kv_splits]
 
 
-def test_arrival_counters_grow_by_replacement(device):
-    """A launch needing more counters than exist gets a new, larger zeroed buffer; the old one is kept
-    alive (a CUDA graph may hold its address)."""
-    dev = torch.device(device) if not isinstance(device, torch.device) else device
-    dev = torch.empty(0, device=dev).device  # with its index, as a tensor reports it
-    first = attention._arrival_counters(dev, 8)
-    assert attention._arrival_counters(dev, 8) is first
-    bigger = attention._arrival_counters(dev, first.numel() + 1)
-    assert bigger.numel() > first.numel() and not bigger.any()
-    assert any(t is first for t in attention._RETIRED)
+def test_combine_over_more_splits_than_one_chunk(device, split_calls, monkeypatch):
+    """More splits than the combine loads at once: it merges them chunk by chunk, in split order."""
+    monkeypatch.setattr(attention, "COMBINE_CHUNK_ELEMS", 4 * attention.COMBINE_D_SLICE)  # 4 splits a chunk
+    batch = PagedBatch(device, gen(60), [1, 1], [150, 9], num_q_heads=4, num_kv_heads=2, head_dim=64)
+    assert_matches_reference(batch, launch=split_launch(11), max_query_len=1)
+    assert split_calls == [11]
 
 
 # -- the launch policy ------------------------------------------------------------------------------------
@@ -299,13 +285,14 @@ def test_plan_launch_splits_only_underfilled_decode(small_gpu):
     small_gpu(132)
     cpu = torch.device("cpu")
     plan = plan_launch(1, 1, 4, 4, 256, cpu, 1, 0, None, 8192)
-    assert plan.grid == (1, 4, 32) and plan.kv_splits == 32 and plan.split_min_keys == 256
-    assert plan.tile == (4, 16, 128, True)
+    assert plan.grid == (1, 4, 64) and plan.kv_splits == 64 and plan.split_min_keys == 128
+    assert plan.tile == (4, 16, 128, True) and plan.num_stages == 1  # one 128-key step a split
     plan = plan_launch(8, 8, 4, 4, 256, cpu, 1, 0, None, 40960)
     assert plan.grid == (8, 4, 8) and plan.kv_splits == 8
+    assert plan.num_stages == attention_launch.SPLIT_LAUNCH.num_stages  # 40 steps a split: pipelined
     # A window caps the keys: 128 keys fit one split.
     assert plan_launch(8, 8, 4, 4, 256, cpu, 1, 128, None, 8192).kv_splits == 1
-    assert plan_launch(8, 8, 4, 4, 256, cpu, 1, 1024, None, 8192).kv_splits == 4
+    assert plan_launch(8, 8, 4, 4, 256, cpu, 1, 1024, None, 8192).kv_splits == 8
     full = plan_launch(64, 64, 4, 4, 256, cpu, 1, 0, None, 8192)
     assert full.grid == (64, 4) and full.kv_splits == 1 and full.tile == (4, 16, 128, True)
     # Prefill, unknown query lengths and explicit launches without kv_splits: no split.
@@ -328,13 +315,9 @@ def test_interpreter_policy_never_splits(device, split_calls):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("window", [0, 1000])
-def test_compiled_bf16_long_context(window, fused, device, split_calls, monkeypatch):
-    """Real sizes on the GPU through the default policy: batch 1 at 8k splits by the SM count; the
-    partials combined by a second launch (the default) or by the split kernel's last program."""
-    launch = attention_launch.DECODE_LAUNCH
-    monkeypatch.setattr(attention_launch, "DECODE_LAUNCH", replace(launch, fused_reduce=fused))
+def test_compiled_bf16_long_context(window, device, split_calls):
+    """Real sizes on the GPU through the default policy: batch 1 at 8k splits by the SM count."""
     batch = PagedBatch(
         device,
         gen(53),

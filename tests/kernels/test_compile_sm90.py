@@ -24,12 +24,12 @@ def test_split_kernels_compile_for_sm90(tmp_path):
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in results:
         pytest.skip(f"no sm_90 compiler in this Triton: {results['skip']}")
-    fused = {name: r for name, r in results.items() if "fused=True" in name}
-    two_launch = {name: r for name, r in results.items() if "fused=False" in name}
-    assert len(fused) == len(two_launch) == 3 and sum(name.startswith("reduce") for name in results) == 3
-    for name, r in fused.items():
-        # The arrival count releases the partials and acquires the others'; they are read from L2.
-        assert "atom.global.gpu.acq_rel.add.u32" in r["atomics"] and r["l2_loads"], name
-        # The combine tail takes no shared memory beyond the key loop's (the launch policy's budget).
-        assert r["shared"] == two_launch[name.replace("fused=True", "fused=False")]["shared"], name
-    assert all(not r["atomics"] for r in two_launch.values())
+    split = {name: r for name, r in results.items() if name.startswith("split")}
+    combine = {name: r for name, r in results.items() if name.startswith("combine")}
+    assert len(split) == len(combine) == 4
+    for name, r in split.items():
+        # No atomics (each split writes its own partials); shared memory within an H200 program's
+        # budget as attention_launch.device_limits reports it (232448 bytes less 8 KiB).
+        assert not r["atomics"] and r["cubin_bytes"] > 0, name
+        assert 0 < r["shared"] <= 232448 - 8192, name
+    assert all(r["cubin_bytes"] > 0 for r in combine.values())
