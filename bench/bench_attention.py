@@ -373,9 +373,9 @@ WIDE_HEAD_CASES = ((64, 4096, 1024), (64, 4096, 0))
 
 def wide_head_decode(args, hbm) -> list[dict]:
     """Gemma-3-4B's heads (8 q / 4 kv of 256): the default launch (one program per row and kv head)
-    against 2 and 4 splits per row (split kernel + combine) at 32- and 64-key steps and 2-4 stages, in
-    CUDA graphs over enough copies that every call reads HBM. Variants that do not fit shared memory
-    print their error."""
+    against 2 and 4 splits per row (split kernel + combine) at 32- and 64-key steps and 2-4 stages, and the
+    one-launch kernel at 8 warps, in CUDA graphs over enough copies that every call reads HBM. Variants
+    that do not fit shared memory print their error."""
     heads = argparse.Namespace(**{**vars(args), "q_heads": 8, "kv_heads": 4, "head_dim": 256})
     variants: dict[str, AttentionLaunch | None] = {"default": None}
     for splits in (1, 2, 4):
@@ -388,6 +388,11 @@ def wide_head_decode(args, hbm) -> list[dict]:
                     kv_splits=splits,
                     split_min_keys=128,
                 )
+    for n in (32, 64):  # the one-launch kernel at 8 warps (the policy gives 16 score rows 4)
+        for stages in (2, 3):
+            variants[f"S1 N{n} s{stages} w8"] = AttentionLaunch(
+                block_n=n, num_warps=8, num_stages=stages, row_programs=True
+            )
     rows = []
     for batch, context, window in WIDE_HEAD_CASES:
         one = Problem(batch, 1, context, window, heads)
