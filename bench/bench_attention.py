@@ -343,6 +343,15 @@ def split_decode(args, hbm) -> list[dict]:
                 continue
             row[name] = us
             row[f"{name} of_hbm"] = one.kv_bytes() / (us * 1e-6) / hbm
+        if splits > 1:  # the same launch with the combine launched plainly, not as a PDL dependent
+            name = "policy, combine w/o PDL"
+            attention.SPLIT_COMBINE_PDL = False
+            try:
+                row[name] = graph_time_us(lambda i, c=copies: c[i % len(c)].run(), 2 * len(copies))
+            finally:
+                attention.SPLIT_COMBINE_PDL = True
+            row[f"{name} of_hbm"] = one.kv_bytes() / (row[name] * 1e-6) / hbm
+            variants = {**variants, name: None}
         ratio = row["policy"] / row["current"]
         row["policy/current"] = ratio
         row["slower"] = ratio > 1 + NOISE

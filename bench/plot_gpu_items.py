@@ -60,11 +60,10 @@ def plot_split(out: Path) -> None:
                     share, b1 - 1.5 * width, b1 + 1.5 * width, colors="black", linestyles=style, linewidth=1
                 )
                 ax.text(
-                    b1 - 1.55 * width,
-                    share,
+                    b1 - 1.5 * width,
+                    share + 0.005,
                     f"plain {name}: {share:.2f}",
-                    ha="right",
-                    va="center",
+                    va="bottom",
                     fontsize=7,
                 )
     ax.set_xticks(

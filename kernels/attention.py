@@ -478,6 +478,7 @@ def _split_kv_kernel(
     BLOCK_M: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
     BLOCK_N: tl.constexpr,  # keys per step
     NUM_STAGES: tl.constexpr,  # software pipelining of the key loop (1: none)
+    USE_PDL: tl.constexpr,  # let the combine, launched as a programmatic dependent, start early
 ):
     """Split-KV decode, grid (B, H_kv, S): program (row, kv head, split) attends the GROUP query heads of
     each of the row's query tokens over split `split` of that token's keys and stores the partial softmax
@@ -496,6 +497,10 @@ def _split_kv_kernel(
     BLOCK_D: tl.constexpr = SHAPE[1]
     GROUP: tl.constexpr = SHAPE[3]
     HAS_FLOOR: tl.constexpr = SHAPE[4]
+    if USE_PDL:
+        # The combine may be scheduled once every split program has started; it waits in
+        # griddepcontrol.wait until this grid has finished and its partials are visible.
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = (tl.program_id(2), tl.num_programs(2), min_chunk)
@@ -557,6 +562,7 @@ def _split_combine_kernel(
     HEAD_DIM: tl.constexpr,
     D_SLICE: tl.constexpr,  # head-dim lanes per program
     CHUNK_S: tl.constexpr,  # splits loaded at once: all of them (S <= CHUNK_S) in one round trip
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent of the split kernel: wait for it
 ):
     """Grid (T, H_q, BLOCK_D / D_SLICE): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (M = max_s
     m_s) for one query token, head and slice of the head dim, in split order (online over chunks of
@@ -568,6 +574,8 @@ def _split_combine_kernel(
     head = tl.program_id(1)
     offs_d = tl.program_id(2) * D_SLICE + tl.arange(0, D_SLICE)  # [D_SLICE]
     num_real = tl.load(query_start_loc_ptr + num_rows)  # tokens past it are padding
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the split kernel has finished; its partials are visible
     ml_row = ml_ptr + token * ml_strides[0] + head * ml_strides[1]
     acc_row = acc_ptr + token * acc_strides[0] + head * acc_strides[1] + offs_d[None, :] * acc_strides[3]
     # The first chunk straight-line (every split of a small launch: one round trip), the rest in order.
@@ -592,6 +600,15 @@ def _split_combine_kernel(
 # The combine's head-dim slice and how many fp32 partials a program loads at once (CHUNK_S x D_SLICE).
 COMBINE_D_SLICE = 32
 COMBINE_CHUNK_ELEMS = 4096
+# Launch the combine as a programmatic dependent of the split kernel (Hopper and later, where this
+# Triton has the grid-dependency intrinsics): its launch overlaps the split kernel's tail.
+SPLIT_COMBINE_PDL = True
+
+
+@functools.lru_cache(maxsize=16)
+def _pdl_supported(device_index: int) -> bool:
+    cuda = getattr(tl.extra, "cuda", None)
+    return hasattr(cuda, "gdc_wait") and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def _paged_attention_triton(
@@ -687,6 +704,7 @@ def _split_attention(
     d_slice = min(block_d, COMBINE_D_SLICE)
     chunk_s = min(next_pow2(splits), max(1, COMBINE_CHUNK_ELEMS // d_slice))
     split_grid, combine_grid = plan.grid, (num_tokens, num_q_heads, block_d // d_slice)
+    pdl = SPLIT_COMBINE_PDL and query.is_cuda and _pdl_supported(query.device.index or 0)
     split_kernel, combine_kernel = _split_kv_kernel, _split_combine_kernel
     if compile_only:
         run_split = functools.partial(split_kernel.warmup, grid=split_grid)
@@ -716,6 +734,7 @@ def _split_attention(
         BLOCK_M=max(16, next_pow2(shape[3])),  # one token's GROUP heads, whatever tile the plan sized
         BLOCK_N=plan.tile[2],
         NUM_STAGES=plan.num_stages,
+        USE_PDL=pdl,
         num_warps=plan.num_warps,
     )
     run_combine(
@@ -731,7 +750,9 @@ def _split_attention(
         HEAD_DIM=head_dim,
         D_SLICE=d_slice,
         CHUNK_S=chunk_s,
+        USE_PDL=pdl,
         num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
 
 

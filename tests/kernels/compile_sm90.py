@@ -77,24 +77,26 @@ def main() -> None:
         kernel = attention._split_kv_kernel.warmup(
             q, cache, cache, acc, ml, table, qsl, lens, lens, 1.0, 0, 128,
             q.stride(), cache.stride(), cache.stride(), acc.stride(), ml.stride(), table.stride(),
-            SHAPE=shape, BLOCK_M=max(16, group), BLOCK_N=block_n, NUM_STAGES=stages, num_warps=4,
-            grid=(rows, hkv, splits),
+            SHAPE=shape, BLOCK_M=max(16, group), BLOCK_N=block_n, NUM_STAGES=stages, USE_PDL=True,
+            num_warps=4, grid=(rows, hkv, splits),
         )  # fmt: skip
         ptx = kernel.asm["ptx"]
         results[f"split hq{hq} hkv{hkv} d{d} N{block_n} s{stages}"] = {
             "shared": kernel.metadata.shared,
             "cubin_bytes": len(kernel.asm["cubin"]),
             "atomics": sorted(set(re.findall(r"atom\.[\w.]+", ptx))),
+            "pdl": sorted(set(re.findall(r"griddepcontrol\.\w+", ptx))),
         }
         d_slice = min(d, attention.COMBINE_D_SLICE)
         kernel = attention._split_combine_kernel.warmup(
             acc, ml, q, qsl, rows, splits, acc.stride(), ml.stride(), q.stride(),
-            HEAD_DIM=d, D_SLICE=d_slice, CHUNK_S=triton_next_pow2(splits), num_warps=4,
-            grid=(rows, hq, d // d_slice),
+            HEAD_DIM=d, D_SLICE=d_slice, CHUNK_S=triton_next_pow2(splits), USE_PDL=True, num_warps=4,
+            launch_pdl=True, grid=(rows, hq, d // d_slice),
         )  # fmt: skip
         results[f"combine hq{hq} d{d} S{splits}"] = {
             "shared": kernel.metadata.shared,
             "cubin_bytes": len(kernel.asm["cubin"]),
+            "pdl": sorted(set(re.findall(r"griddepcontrol\.\w+", kernel.asm["ptx"]))),
         }
     print(json.dumps(results))
 

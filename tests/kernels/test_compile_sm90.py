@@ -32,4 +32,6 @@ def test_split_kernels_compile_for_sm90(tmp_path):
         # budget as attention_launch.device_limits reports it (232448 bytes less 8 KiB).
         assert not r["atomics"] and r["cubin_bytes"] > 0, name
         assert 0 < r["shared"] <= 232448 - 8192, name
-    assert all(r["cubin_bytes"] > 0 for r in combine.values())
+        # With PDL the split kernel lets the combine launch early; the combine waits for it.
+        assert r["pdl"] == ["griddepcontrol.launch_dependents"], name
+    assert all(r["cubin_bytes"] > 0 and r["pdl"] == ["griddepcontrol.wait"] for r in combine.values())
