@@ -570,6 +570,20 @@ def print_sorted(rows: list[dict], names: list[str]) -> None:
         print(format_sweep_row(row, names))
 
 
+def host_us_per_call(fn, calls: int = 200, warmup: int = 20) -> float:
+    """Wall time per call of `calls` back-to-back calls of fn and no synchronize between them (the host's
+    cost, which an eager call pays whatever the GPU does), after `warmup` calls and a synchronize."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_us = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host_us
+
+
 def eager_check(args) -> list[dict]:
     """Batch 1 and 8 at 8k context on the default table's heads, one call timed four ways: host time per
     call (launches only, no sync), triton's do_bench (eager launches, as the default table), a CUDA
@@ -578,13 +592,7 @@ def eager_check(args) -> list[dict]:
     rows = []
     for batch in (1, 8):
         problem = Problem(batch, 1, 8192, 0, args)
-        problem.run()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(200):
-            problem.run()
-        host_us = (time.perf_counter() - start) / 200 * 1e6
-        torch.cuda.synchronize()
+        host_us = host_us_per_call(problem.run)
         eager_us = triton.testing.do_bench(problem.run, warmup=25, rep=100) * 1e3
         graph_us = graph_time_us(lambda i, p=problem: p.run(), 20)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -9,13 +9,12 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_attention import Problem  # noqa: E402
+from bench_attention import Problem, host_us_per_call  # noqa: E402
 
 
 def main() -> None:
@@ -25,14 +24,7 @@ def main() -> None:
     )
     for batch, q_len, ctx in ((1, 1, 8192), (64, 1, 8192), (1, 512, 512)):
         problem = Problem(batch, q_len, ctx, 0, heads)
-        for _ in range(20):
-            problem.run()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(300):
-            problem.run()
-        host_us = (time.perf_counter() - start) / 300 * 1e6
-        torch.cuda.synchronize()
+        host_us = host_us_per_call(problem.run, calls=300)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(300):
