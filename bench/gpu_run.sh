@@ -21,7 +21,7 @@ for part in $parts; do
         --timeout ${TEST_TIMEOUT:-300} tests/kernels tests/model tests/worker tests/engine/test_engine_profile.py \
         tests/engine/test_request_isolation.py 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -30 ;;
-    split_tests)  # the split-KV kernels compiled (the fused combine included), alone: a quick check
+    split_tests)  # the split-KV kernels compiled, alone: a quick check
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -rfE --durations=5 -p no:cacheprovider -p no:benchmark -n 16 \
         --timeout ${TEST_TIMEOUT:-150} tests/kernels/test_attention_split.py 2>&1 \
         | tee "$OUT/gpu_tests_split.log" | tail -12 ;;
@@ -30,7 +30,7 @@ for part in $parts; do
         | tee "$OUT/dispatch.log" | tail -8 ;;
     attention)
       timeout 300 python3 bench/bench_attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
-    attention_split)  # split-KV cases (the fused combine against two launches, warps/stages), Gemma's heads
+    attention_split)  # read floors, split-KV cases (split count x key step x stages, PDL combine on/off), Gemma's heads
       timeout 300 python3 bench/bench_attention.py --split-only --split-tune --json "$OUT/attention_split.json" 2>&1 \
         | tee "$OUT/attention_split.log" | tail -60 ;;
     blas)  # the decode projections under cuBLAS and cuBLASLt

@@ -412,6 +412,7 @@ def _split_token(
     span_lo = lo + split_id * chunk
     span_hi = tl.minimum(span_lo + chunk, lo + keys)
     tok = token.to(tl.int64)
+    # `live` broadcast to [BLOCK_M] before the &: Triton's interpreter rejects a tensor & scalar-bool mask.
     mask_m = m_valid & ((offs_m * 0 + live.to(tl.int32)) != 0)  # [BLOCK_M]
     md_mask = mask_m[:, None] & d_valid[None, :]  # [BLOCK_M, BLOCK_D]
 
