@@ -198,12 +198,16 @@ class Generation:
             prompt_logprobs = next((u.prompt_logprobs for u in updates if u.prompt_logprobs), b"")
         now = time.perf_counter()
         if new:
+            # One inter-token gap per token after a request's first, however the tokens arrive: an
+            # event's gap is shared by its tokens, and tokens that came with the first (a reader that fell
+            # behind before the first delta) arrived 0 s after it.
             if self._last_token_t is None:
                 self._metrics.ttft.observe(now - self._t0)
+                gaps = [0.0] * (len(new) - 1)
             else:
-                gap = (now - self._last_token_t) / len(new)
-                for _ in new:
-                    self._metrics.inter_token.observe(gap)
+                gaps = [(now - self._last_token_t) / len(new)] * len(new)
+            for gap in gaps:
+                self._metrics.inter_token.observe(gap)
             self._last_token_t = now
         self.token_ids.extend(new)
         self.logprobs += logprobs
