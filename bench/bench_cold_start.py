@@ -5,7 +5,7 @@ empty); the cold one gets an empty TRITON_CACHE_DIR, the warm ones reuse it, as 
 ships the cache directory (or mounts a volume for it) would.
 
 Phases (seconds): import (torch, raystate), ray (starting a local Ray; Ray backend only), the worker's
-own phases (`Worker.startup_s`: weights, kv_cache, buffers, cuda_graphs, the last including the Triton
+own phases (`Worker.startup_s`: weights, buffers, kv_cache, cuda_graphs, the last including the Triton
 compiles or cache loads of the decode kernels), engine (everything else up to a ready LLM), first_token
 (a 16-token prompt to its first generated token: the prefill kernels compile here when the cache is cold).
 

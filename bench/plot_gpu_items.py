@@ -88,7 +88,7 @@ def plot_cold_start(out: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = json.loads((RESULTS / "cold_start_h200.json").read_text())
-    phases = ["import", "ray", "weights", "kv_cache", "buffers", "cuda_graphs", "engine", "first_token"]
+    phases = ["import", "ray", "weights", "buffers", "kv_cache", "cuda_graphs", "engine", "first_token"]
     colors = ["#999999", "#e67e22", "#27ae60", "#16a085", "#2c3e50", "#8e44ad", "#2980b9", "#c0392b"]
     serve = [
         ("warm Triton cache", _healthy("serve_run_h200_httptools.log")),

@@ -207,8 +207,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-cache-gib",
         type=float,
-        help="KV cache per shard in GiB, split across the attention groups (default: sized from "
-        "max-num-seqs and the model's max length)",
+        help="KV cache per shard in GiB, split across the attention groups (default: on CUDA, sized "
+        "from --gpu-memory-utilization; on the CPU, from max-num-seqs and the model's max length)",
     )
 
 
@@ -306,6 +306,8 @@ def _serve(args: argparse.Namespace) -> int:
             f"raystate: serving model {args.model!r} ({describe_model(model)}; {args.backend} backend, "
             f"{args.num_shards} shard(s), {app_args.num_replicas} ingress replica(s))"
         )
+        if args.backend == "ray":
+            engine_config = _deployment_config(args.name, engine_config)
         print(f"raystate: {engine_config.kv_summary()}")
         if args.backend == "ray":
             _print_startup_phases(args.name)
@@ -368,6 +370,19 @@ def _start_backend_in_background(config, name: str, num_shards: int) -> None:
             print(f"raystate: the backend did not start here ({type(e).__name__}); the replica retries")
 
     threading.Thread(target=start, name="raystate-backend-start", daemon=True).start()
+
+
+def _deployment_config(name: str, fallback):
+    """The running deployment's config (its KV blocks fixed at start); `fallback` when unreachable."""
+    import ray
+
+    from raystate.launch import SCHEDULER_NAME
+
+    try:
+        scheduler = ray.get_actor(SCHEDULER_NAME, namespace=name)
+        return ray.get(scheduler.get_config.remote(), timeout=30)
+    except Exception:  # informational only
+        return fallback
 
 
 def _print_startup_phases(name: str) -> None:

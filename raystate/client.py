@@ -158,8 +158,8 @@ class InProcessClient(Client):
     def __init__(self, config: EngineConfig) -> None:
         from raystate.engine import InProcessEngine
 
-        self._config = config
         self._engine = InProcessEngine(config)
+        self._config = self._engine.config  # KV blocks fixed (a CUDA worker may size them at start)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

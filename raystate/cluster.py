@@ -363,7 +363,7 @@ class Cluster(RayClient):
 
         ensure_ray(address)
         deployment = launch.start(config, launch.LaunchOptions(name=name, num_shards=num_shards, **options))
-        return cls(name, deployment.scheduler, config, deployment)
+        return cls(name, deployment.scheduler, deployment.config, deployment)
 
     @classmethod
     def connect(cls, name: str = "raystate", address: str | None = None) -> Cluster:

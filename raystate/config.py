@@ -30,6 +30,10 @@ EOS_ID = 257
 PAD_ID = 258
 BYTE_VOCAB_SIZE = 259
 
+# The share of a CUDA device's memory an engine takes when nothing else sizes its KV cache (vLLM's
+# default too): weights, buffers and the KV cache fill up to it; the rest holds activations and graphs.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
 
 def _check(ok: bool, field_name: str, limit: str, got: object) -> None:
     if not ok:
@@ -243,6 +247,14 @@ class CacheConfig:
     # (window groups get their working set, the prefix-cacheable groups the rest). Neither set: sized from
     # max_num_seqs and max_model_len, the same for every group.
     kv_cache_bytes: int | None = None
+    # On CUDA with neither size set, each worker sizes its cache at start: this fraction of the device's
+    # memory is the engine's, and the KV cache gets what the weights, the buffers and everything else
+    # already on the device leave of it (`raystate.worker.kv_cache.auto_kv_budget`); the rest is for
+    # activations and CUDA graphs. None: DEFAULT_GPU_MEMORY_UTILIZATION. Not used on the CPU.
+    gpu_memory_utilization: float | None = None
+    # Blocks per group, in `kv_groups` order: what the start-up sizing resolved (the smallest count of
+    # every shard, `EngineConfig.with_group_blocks`); set by the engine, not by users.
+    group_blocks: tuple[int, ...] | None = None
     enable_prefix_caching: bool = True
     swa_bounded_replay: bool = True
     # Requests admitted in one step with the same replayed hit rebuild its window once: the first
@@ -263,6 +275,28 @@ class CacheConfig:
                 self.num_blocks is None, "kv_cache_bytes", "unset when num_blocks is set", self.kv_cache_bytes
             )
             _check(self.kv_cache_bytes > 0, "kv_cache_bytes", "> 0", self.kv_cache_bytes)
+        if self.gpu_memory_utilization is not None:
+            u = self.gpu_memory_utilization
+            _check(0.0 < u <= 1.0, "gpu_memory_utilization", "in (0, 1]", u)
+            _check(
+                self.num_blocks is None and self.kv_cache_bytes is None,
+                "gpu_memory_utilization",
+                "unset when num_blocks or kv_cache_bytes sizes the cache",
+                u,
+            )
+        if self.group_blocks is not None:
+            _check(
+                self.num_blocks is None and self.kv_cache_bytes is None,
+                "group_blocks",
+                "unset when num_blocks or kv_cache_bytes sizes the cache",
+                self.group_blocks,
+            )
+            _check(
+                len(self.group_blocks) > 0 and min(self.group_blocks) >= 2,
+                "group_blocks",
+                "each >= 2 (one is the null block)",
+                self.group_blocks,
+            )
 
 
 @dataclass(frozen=True)
@@ -301,6 +335,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(
+            self.cache.gpu_memory_utilization is None or self.device != "cpu",
+            "gpu_memory_utilization",
+            "unset on the CPU (size the CPU's cache with num_blocks or kv_cache_bytes)",
+            self.cache.gpu_memory_utilization,
+        )
+        _check(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             "dtype",
             "one of auto, float32, bfloat16, float16",
@@ -327,14 +367,58 @@ class EngineConfig:
         return kv_element_bytes(self.dtype, self.device)
 
     @property
+    def kv_sized_at_start(self) -> bool:
+        """True while the KV cache's size is still to be measured: on CUDA, with no num_blocks,
+        kv_cache_bytes or resolved group_blocks (each worker sizes it from gpu_memory_utilization; the
+        engine then runs `with_group_blocks` of the smallest)."""
+        c = self.cache
+        return (
+            self.device != "cpu"
+            and c.num_blocks is None
+            and c.kv_cache_bytes is None
+            and c.group_blocks is None
+        )
+
+    @property
+    def gpu_memory_utilization(self) -> float:
+        u = self.cache.gpu_memory_utilization
+        return DEFAULT_GPU_MEMORY_UTILIZATION if u is None else u
+
+    def with_group_blocks(self, counts: tuple[int, ...]) -> EngineConfig:
+        """This config with the KV cache's blocks per group fixed (what start-up sizing measured)."""
+        cache = dataclasses.replace(self.cache, gpu_memory_utilization=None, group_blocks=tuple(counts))
+        _check(
+            len(cache.group_blocks) == len(self.kv_groups),
+            "group_blocks",
+            f"one count per KV cache group ({len(self.kv_groups)})",
+            cache.group_blocks,
+        )
+        return dataclasses.replace(self, cache=cache)
+
+    @property
     def group_num_blocks(self) -> tuple[int, ...]:
         """Blocks per shard of each KV cache group, in `kv_groups` order (block 0 of each is null)."""
+        if self.kv_sized_at_start:
+            raise RuntimeError(
+                "the KV cache of a CUDA engine with no num_blocks / kv_cache_bytes is sized by its workers "
+                "at start: use the config the engine returns (LLM.config, client.config)"
+            )
+        return self.static_group_blocks()
+
+    def static_group_blocks(self) -> tuple[int, ...]:
+        """The blocks per group that the config's own sizes give (no device measured): with none set, the
+        small default, room for min(max_num_seqs, 16) requests of max_model_len tokens (a dry run's)."""
         return group_num_blocks(
             self.kv_groups, self.cache, self.scheduler, self.max_model_len, self.kv_element_bytes
         )
 
     def kv_summary(self) -> str:
         """The KV cache in words (groups, blocks, bytes, what a cached prefix keeps), for the CLI and logs."""
+        if self.kv_sized_at_start:
+            return (
+                f"KV cache: sized by each worker at start, {self.gpu_memory_utilization:g} of the device's "
+                "memory less what the weights and buffers hold (gpu_memory_utilization)"
+            )
         return kv_summary(self.kv_groups, self.group_num_blocks, self.kv_element_bytes)
 
     @property

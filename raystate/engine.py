@@ -50,9 +50,10 @@ class StepTiming:
 
 class InProcessEngine:
     def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
-        self.config = config
-        self.scheduler = Scheduler(config, num_shards=1)
         self.worker = worker if worker is not None else Worker(config)
+        # The worker's: on CUDA with no KV size set, the blocks it measured are fixed there.
+        self.config = config = self.worker.config
+        self.scheduler = Scheduler(config, num_shards=1)
         self.step_times: list[StepTiming] = []  # one per step while `profile` is on
         self._dispatch = LocalDispatch({0: self.worker})
         self._driver = StepDriver(self.scheduler, self._dispatch, lookahead=config.async_scheduling)

@@ -134,8 +134,13 @@ class EngineArgs:
     num_blocks: int | None = _knob(None, "KV blocks per cache group and shard (instead of kv_cache_bytes)")
     kv_cache_bytes: int | None = _knob(
         None,
-        "KV cache bytes per shard, split across the attention groups; default: sized from max_num_seqs "
-        "and the model's max length",
+        "KV cache bytes per shard, split across the attention groups; default: on CUDA, sized from "
+        "gpu_memory_utilization; on the CPU, from max_num_seqs and the model's max length",
+    )
+    gpu_memory_utilization: float | None = _knob(
+        None,
+        "with no KV size set on CUDA: the share of the device's memory that weights, buffers and the KV "
+        "cache fill (default 0.9); the KV cache takes what the others leave of it",
     )
     enable_prefix_caching: bool = _knob(True, "reuse the KV of cached prompt prefixes")
     swa_bounded_replay: bool = _knob(
@@ -195,6 +200,7 @@ def build_engine_config(args: EngineArgs, model: ResolvedModel | None = None) ->
             block_size=args.block_size,
             num_blocks=args.num_blocks,
             kv_cache_bytes=args.kv_cache_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
             swa_bounded_replay=args.swa_bounded_replay,
             share_replay=args.share_replay,

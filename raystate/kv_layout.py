@@ -95,10 +95,13 @@ def group_num_blocks(
 ) -> tuple[int, ...]:
     """Blocks per shard of each group, in `groups` order (block 0 of each is the null block).
 
-    `cache.num_blocks` gives every group that many; `cache.kv_cache_bytes` splits a byte budget
+    `cache.group_blocks` (what start-up sizing resolved) is taken as is; `cache.num_blocks` gives every
+    group that many; `cache.kv_cache_bytes` splits a byte budget
     (`plan_group_blocks`); neither: room for min(max_num_seqs, 16) requests of max_model_len tokens in
     every group, so an unsized engine stays small on the CPU.
     """
+    if cache.group_blocks is not None:
+        return cache.group_blocks
     if cache.num_blocks is not None:
         return (cache.num_blocks,) * len(groups)
     if cache.kv_cache_bytes is not None:

@@ -18,6 +18,7 @@ passed on to the worker actors, merged with `LaunchOptions.worker_env`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -85,6 +86,7 @@ class Deployment:
     workers: list  # ActorHandle per shard
     placement_group: PlacementGroup
     dispatch: str  # the dispatch in use (a failed graph compile falls back to actor calls)
+    config: EngineConfig  # the deployment's: KV blocks per group fixed (`smallest_blocks`)
 
 
 def _gpus(config: EngineConfig, options: LaunchOptions) -> float:
@@ -203,6 +205,11 @@ def start(config: EngineConfig, options: LaunchOptions) -> Deployment:
     workers = [spawner(i) for i in range(options.num_shards)]
     try:
         ray.get([w.incarnation.remote() for w in workers], timeout=options.start_timeout_s)
+        if config.kv_sized_at_start:
+            measured = ray.get([w.kv_blocks.remote() for w in workers], timeout=options.start_timeout_s)
+            config = config.with_group_blocks(smallest_blocks(measured))
+            # A replacement worker allocates exactly the pools the scheduler runs.
+            spawner = dataclasses.replace(spawner, config=config)
     except BaseException:
         kill(None, workers, pg)
         raise
@@ -236,7 +243,14 @@ def start(config: EngineConfig, options: LaunchOptions) -> Deployment:
     except BaseException:
         kill(scheduler, workers, pg)
         raise
-    return Deployment(options.name, scheduler, workers, pg, dispatch)
+    return Deployment(options.name, scheduler, workers, pg, dispatch, config)
+
+
+def smallest_blocks(measured: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The KV blocks per group that every shard has: shards that sized their caches from their own
+    device's memory may differ (another GPU model, another process's memory), and the scheduler gives
+    every shard the same pools, so a shard with more blocks leaves its extra ones unused."""
+    return tuple(min(counts) for counts in zip(*measured, strict=True))
 
 
 def stop(name: str, placement_group: PlacementGroup | None = None, timeout_s: float = 30.0) -> None:

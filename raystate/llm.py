@@ -138,6 +138,7 @@ class LLM:
             from raystate.engine import InProcessEngine
 
             self.engine = InProcessEngine(self.config)
+            self.config = self.engine.config  # KV blocks fixed (a CUDA worker may size them at start)
         elif backend == "ray":
             from raystate import launch
             from raystate.cluster import Cluster, ensure_ray
@@ -146,6 +147,7 @@ class LLM:
             self.cluster = Cluster.start(
                 self.config, name=launch.free_name("raystate"), num_shards=num_shards, **(ray_options or {})
             )
+            self.config = self.cluster.config
         else:
             raise InvalidRequest("backend", " or ".join(map(repr, BACKENDS)), backend)
 

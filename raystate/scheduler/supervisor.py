@@ -130,7 +130,26 @@ class ShardSupervisor:
                 return "kept"
             self._incarnations[s] = inc
             self.counts["restarts"] += 1
+            if not self._holds_pools(s, deadline):  # it sized its KV cache anew, smaller: replace it
+                ray.kill(self.workers[s])
+                return "gone"
             return "restarted"
+
+    def _holds_pools(self, s: int, deadline: float) -> bool:
+        """Whether shard s's worker has at least the blocks of the scheduler's pools in every group. A
+        worker Ray restarted runs its first config again, and one that sized its cache from the device's
+        memory measures anew (a replacement gets the fixed counts instead, `launch.start`)."""
+        pools = self._sched.config.group_num_blocks
+        try:
+            blocks = ray.get(
+                self.workers[s].kv_blocks.remote(), timeout=max(deadline - time.monotonic(), 1.0)
+            )
+        except Exception:
+            return False
+        if all(b >= p for b, p in zip(blocks, pools, strict=True)):
+            return True
+        logger.warning("shard %d restarted with KV blocks %s, fewer than the pools' %s", s, blocks, pools)
+        return False
 
     def _replace_worker(self, s: int) -> bool:
         """A new actor for shard s in its placement bundle; False when none comes up in time."""

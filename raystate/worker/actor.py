@@ -14,7 +14,7 @@ kept its state from one Ray restarted (state lost) after a fault.
 Start-up is logged: a Ray worker process leaves our INFO records unshown (no handler, root at WARNING), so
 the actor gives the `raystate` logger one stderr handler (`show_info_on_stderr`), which Ray forwards to
 the driver's console under the actor's prefix: the worker's line per start-up phase as it ends (weights,
-kv_cache, buffers, cuda_graphs) with its seconds, then its "ready" line. `startup_phases()` returns them.
+buffers, kv_cache, cuda_graphs) with its seconds, then its "ready" line. `startup_phases()` returns them.
 """
 
 from __future__ import annotations
@@ -70,6 +70,13 @@ class WorkerActor:
             return encode(StepResult(msg.step_id, rows, ids_to_bytes([0] * len(rows))))
         return encode(self.worker.execute(msg))
 
+    def kv_blocks(self) -> tuple[int, ...]:
+        """This worker's KV cache blocks per group (on CUDA with no size set, what it measured at start;
+        a dry run: the config's small default)."""
+        if self.worker is None:
+            return self.config.static_group_blocks()
+        return self.worker.config.group_num_blocks
+
     def incarnation(self) -> str:
         """Identifies this process's life: a different value after Ray restarted the actor."""
         return self._incarnation
@@ -84,7 +91,7 @@ class WorkerActor:
         return 0 if self.worker is None else self.worker.num_active()
 
     def startup_phases(self) -> dict[str, float]:
-        """Seconds of each start-up phase of this process's worker, in order (weights, kv_cache, buffers,
+        """Seconds of each start-up phase of this process's worker, in order (weights, buffers, kv_cache,
         cuda_graphs when captured); empty for a dry run."""
         return {} if self.worker is None else dict(self.worker.startup_s)
 

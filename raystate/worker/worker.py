@@ -24,7 +24,7 @@ from raystate.model import load_model
 from raystate.worker.block_table import BlockTables
 from raystate.worker.cudagraph import DecodeGraphs, DecodeStepParts, ReadyEvent
 from raystate.worker.input_batch import InputBatch
-from raystate.worker.kv_cache import allocate_kv_caches
+from raystate.worker.kv_cache import allocate_kv_caches, auto_group_blocks
 from raystate.worker.logprobs import ID_COL, compute_logprobs, record, records
 from raystate.worker.model_state import HybridModelState
 from raystate.worker.penalties import LogitControls
@@ -67,7 +67,7 @@ class Worker:
         self.config = config
         self.device = torch.device(config.device)
         dtype = resolve_dtype(config)
-        # Seconds of each start-up phase (weights, kv_cache, buffers, cuda_graphs), logged at the end.
+        # Seconds of each start-up phase (weights, buffers, kv_cache, cuda_graphs), logged at the end.
         self.startup_s: dict[str, float] = {}
         t0 = time.perf_counter()
         self.model = (
@@ -83,10 +83,6 @@ class Worker:
         max_reqs = config.scheduler.max_num_seqs
         max_len = config.max_model_len
         block_size = config.cache.block_size
-        self.kv_caches = allocate_kv_caches(
-            self.groups, self.model.config.num_layers, config.group_num_blocks, dtype, self.device
-        )
-        t0 = self._phase_done("kv_cache", t0)
         self.states = RequestStates(max_reqs, max_len, self.device)
         # Penalties, logit_bias and min_tokens per slot (the scratch slot included, never enabled).
         self.controls = LogitControls(
@@ -105,6 +101,18 @@ class Worker:
             self.groups, self.model.token_lookback_depth, max_reqs, self.device
         )
         self.sampler = Sampler(self.device, config.seed)
+        t0 = self._phase_done("buffers", t0)
+        # Last of the fixed allocations, so a cache sized from the device's memory sees all the others.
+        if config.kv_sized_at_start:
+            torch.cuda.empty_cache()  # the loader's freed temporaries would count as in use
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.config = config = config.with_group_blocks(
+                auto_group_blocks(config, self.groups, total, free)
+            )
+        self.kv_caches = allocate_kv_caches(
+            self.groups, self.model.config.num_layers, config.group_num_blocks, dtype, self.device
+        )
+        t0 = self._phase_done("kv_cache", t0)
         self._refused: dict[str, str] = {}  # req_id -> why, until the scheduler ends the request
         self.logit_recorder: LogitRecorder | None = None
         # Profile mode (set through InProcessEngine.profile): execute() records last_phases, the ns of its
@@ -113,7 +121,6 @@ class Worker:
         self.profile = False
         self.last_phases: tuple[int, int, int] = (0, 0, 0)
         self.graphs: DecodeGraphs | None = None
-        t0 = self._phase_done("buffers", t0)
         if config.cuda_graphs and self.device.type == "cuda":
             self.graphs = self.new_decode_graphs()
             self.graphs.capture()  # the first launches also compile the Triton kernels (or load them)

@@ -75,7 +75,7 @@ def test_profile_on_cuda_with_graphs_keeps_tokens():
     prompts = [rng.integers(0, 256, int(n)).tolist() for n in (70, 33, 95, 12)]
     outs = {}
     for profile in (False, True):
-        llm = LLM(backend="inprocess", device="cuda", max_num_seqs=8, max_model_len=256)
+        llm = LLM(backend="inprocess", device="cuda", max_num_seqs=8, max_model_len=256, num_blocks=129)
         engine = llm.engine
         engine.profile = profile
         steps, outs[profile] = _run(engine, prompts, max_tokens=12)

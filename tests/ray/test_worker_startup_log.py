@@ -66,7 +66,7 @@ def test_startup_phases(clean_logging, caplog):
     with caplog.at_level(logging.INFO, logger="raystate"):
         w = WorkerActor(engine_config(), 3)
     phases = w.startup_phases()
-    assert list(phases)[:3] == ["weights", "kv_cache", "buffers"]
+    assert list(phases)[:3] == ["weights", "buffers", "kv_cache"]
     assert all(isinstance(s, float) and s >= 0 for s in phases.values())
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start-up: ")]
     assert [line.split()[1] for line in lines] == list(phases)  # one line per phase, as it ends

@@ -39,6 +39,7 @@ def test_graph_replay_equals_eager(dtype):
             cuda_graphs=graphs,
             max_num_seqs=16,
             max_model_len=512,
+            num_blocks=513,  # sized, not from the GPU the test processes share
         )
         worker = llm.engine.worker
         assert (worker.graphs is not None) == graphs
