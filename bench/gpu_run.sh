@@ -2,7 +2,7 @@
 # Everything that needs the GPU machine (one H200), in one call: the CUDA tests, then every GPU benchmark,
 # logs, JSON and plots into $OUT (or ./out). From the repo root, with .whl/ carried
 # (../shared/device/make-wheels.sh builds it):
-#   bash bench/gpu_run.sh [tests|split_tests|dispatch|attention|attention_split|blas|gemm|kernels|decode|decode_small|logprobs|prefix|throughput|hf|hf_blas|serve_profile|serve_replicas|cold ...]
+#   bash bench/gpu_run.sh [tests|split_tests|kv_auto|dispatch|attention|attention_split|blas|gemm|kernels|decode|decode_small|logprobs|prefix|throughput|hf|hf_blas|serve_profile|serve_replicas|cold ...]
 #   (default: all but hf, cold, decode_small and logprobs)
 set -o pipefail
 . bench/gpu_setup.sh || exit 1
@@ -19,12 +19,15 @@ for part in $parts; do
       # 300 s a test (the largest attention tile test needed over 170 s on 2026-12-03)
       timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rfE --durations=12 -p no:cacheprovider -p no:benchmark -n 16 \
         --timeout ${TEST_TIMEOUT:-300} tests/kernels tests/model tests/worker tests/engine/test_engine_profile.py \
-        tests/engine/test_request_isolation.py 2>&1 \
+        tests/engine/test_request_isolation.py tests/engine/test_kv_auto_size.py 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -30 ;;
     split_tests)  # the split-KV kernels compiled, alone: a quick check
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -rfE --durations=5 -p no:cacheprovider -p no:benchmark -n 16 \
         --timeout ${TEST_TIMEOUT:-150} tests/kernels/test_attention_split.py 2>&1 \
         | tee "$OUT/gpu_tests_split.log" | tail -12 ;;
+    kv_auto)  # the KV cache sized from the GPU's real memory (gpu_memory_utilization 0.9, then 0.5), both backends
+      timeout 300 python3 bench/check_kv_auto.py --model bench --shares 0.9 0.5 --backends inprocess ray 2>&1 \
+        | tee "$OUT/kv_auto.log" | grep -vE "^\(|INFO|WARNING" | tail -20 ;;
     dispatch)
       timeout 150 python3 bench/bench_dispatch.py --shards 1 2 4 --gpus-per-shard 0.25 --iters 2000 2>&1 \
         | tee "$OUT/dispatch.log" | tail -8 ;;

@@ -1,0 +1,64 @@
+"""The KV cache sized from a GPU's real memory (`gpu_memory_utilization`), checked on the device: for each
+share and backend, the KV line the engine prints, the device's memory in use once it has started and
+after a batch of requests (every process on the device, as `torch.cuda.mem_get_info` sees it), and that
+the requests ran.
+
+    python bench/check_kv_auto.py --model bench --shares 0.9 0.5 --backends inprocess ray
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from raystate import LLM, SamplingParams
+
+
+def in_use_gib() -> tuple[float, float]:
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**30, total / 2**30
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="bench")
+    p.add_argument("--shares", type=float, nargs="+", default=[0.9, 0.5])
+    p.add_argument("--backends", nargs="+", default=["inprocess", "ray"])
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--requests", type=int, default=64)
+    args = p.parse_args()
+    for share in args.shares:
+        for backend in args.backends:
+            t0 = time.perf_counter()
+            llm = LLM(
+                model=args.model,
+                device="cuda",
+                backend=backend,
+                gpu_memory_utilization=share,
+                max_num_seqs=args.max_num_seqs,
+            )
+            started_s = time.perf_counter() - t0
+            used, total = in_use_gib()
+            print(f"share {share} {backend}: started in {started_s:.1f} s; {llm.config.kv_summary()}")
+            print(f"  device in use after start: {used:.1f} of {total:.1f} GiB ({used / total:.3f})")
+            prompts = [[(7 * i + j) % 250 for j in range(100 + 13 * i)] for i in range(args.requests)]
+            outs = llm.generate(
+                prompt_token_ids=prompts,
+                sampling_params=SamplingParams(max_tokens=32, ignore_eos=True),
+                use_tqdm=False,
+            )
+            used, _ = in_use_gib()
+            ran = sum(len(o.token_ids) == 32 for o in outs)
+            print(f"  after {args.requests} requests: {ran} ran to 32 tokens; in use {used:.1f} GiB")
+            llm.shutdown()
+            del llm, outs
+            gc.collect()
+            torch.cuda.empty_cache()
+            time.sleep(2)  # a Ray worker's memory goes back when its process ends
+
+
+if __name__ == "__main__":
+    main()
