@@ -3,7 +3,11 @@ share and backend, the KV line the engine prints, the device's memory in use onc
 after a batch of requests (every process on the device, as `torch.cuda.mem_get_info` sees it), and that
 the requests ran.
 
-    python bench/check_kv_auto.py --model bench --shares 0.9 0.5 --backends inprocess ray
+    python bench/check_kv_auto.py --model bench --shares 0.9 0.5 --backends inprocess ray ray2
+
+`ray2`: the Ray backend with two shards sharing the GPU (num_gpus_per_shard 0.5), at the default share
+(each shard takes half of it) and then at each `--shares` value given to both (which fails above 0.45
+each: the second shard finds too little free).
 """
 
 from __future__ import annotations
@@ -30,34 +34,43 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--requests", type=int, default=64)
     args = p.parse_args()
-    for share in args.shares:
-        for backend in args.backends:
-            t0 = time.perf_counter()
+    runs = [(share, backend) for share in args.shares for backend in args.backends]
+    if "ray2" in args.backends:
+        runs.insert(0, (None, "ray2"))
+    for share, backend in runs:
+        t0 = time.perf_counter()
+        shared = backend == "ray2"
+        try:
             llm = LLM(
                 model=args.model,
                 device="cuda",
-                backend=backend,
+                backend="ray" if shared else backend,
+                num_shards=2 if shared else 1,
+                ray_options={"num_gpus_per_shard": 0.5} if shared else None,
                 gpu_memory_utilization=share,
                 max_num_seqs=args.max_num_seqs,
             )
-            started_s = time.perf_counter() - t0
-            used, total = in_use_gib()
-            print(f"share {share} {backend}: started in {started_s:.1f} s; {llm.config.kv_summary()}")
-            print(f"  device in use after start: {used:.1f} of {total:.1f} GiB ({used / total:.3f})")
-            prompts = [[(7 * i + j) % 250 for j in range(100 + 13 * i)] for i in range(args.requests)]
-            outs = llm.generate(
-                prompt_token_ids=prompts,
-                sampling_params=SamplingParams(max_tokens=32, ignore_eos=True),
-                use_tqdm=False,
-            )
-            used, _ = in_use_gib()
-            ran = sum(len(o.token_ids) == 32 for o in outs)
-            print(f"  after {args.requests} requests: {ran} ran to 32 tokens; in use {used:.1f} GiB")
-            llm.shutdown()
-            del llm, outs
-            gc.collect()
-            torch.cuda.empty_cache()
-            time.sleep(2)  # a Ray worker's memory goes back when its process ends
+        except Exception as e:  # an oversized share is refused: print the error
+            print(f"share {share} {backend}: refused: {e}")
+            continue
+        started_s = time.perf_counter() - t0
+        used, total = in_use_gib()
+        print(f"share {share} {backend}: started in {started_s:.1f} s; {llm.config.kv_summary()}")
+        print(f"  device in use after start: {used:.1f} of {total:.1f} GiB ({used / total:.3f})")
+        prompts = [[(7 * i + j) % 250 for j in range(100 + 13 * i)] for i in range(args.requests)]
+        outs = llm.generate(
+            prompt_token_ids=prompts,
+            sampling_params=SamplingParams(max_tokens=32, ignore_eos=True),
+            use_tqdm=False,
+        )
+        used, _ = in_use_gib()
+        ran = sum(len(o.token_ids) == 32 for o in outs)
+        print(f"  after {args.requests} requests: {ran} ran to 32 tokens; in use {used:.1f} GiB")
+        llm.shutdown()
+        del llm, outs
+        gc.collect()
+        torch.cuda.empty_cache()
+        time.sleep(2)  # a Ray worker's memory goes back when its process ends
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ for part in $parts; do
         --timeout ${TEST_TIMEOUT:-150} tests/kernels/test_attention_split.py 2>&1 \
         | tee "$OUT/gpu_tests_split.log" | tail -12 ;;
     kv_auto)  # the KV cache sized from the GPU's real memory (gpu_memory_utilization 0.9, then 0.5), both backends
-      timeout 300 python3 bench/check_kv_auto.py --model bench --shares 0.9 0.5 --backends inprocess ray 2>&1 \
+      timeout 420 python3 bench/check_kv_auto.py --model bench --shares 0.9 0.5 --backends inprocess ray ray2 2>&1 \
         | tee "$OUT/kv_auto.log" | grep -vE "^\(|INFO|WARNING" | tail -20 ;;
     dispatch)
       timeout 150 python3 bench/bench_dispatch.py --shards 1 2 4 --gpus-per-shard 0.25 --iters 2000 2>&1 \

@@ -247,10 +247,11 @@ class CacheConfig:
     # (window groups get their working set, the prefix-cacheable groups the rest). Neither set: sized from
     # max_num_seqs and max_model_len, the same for every group.
     kv_cache_bytes: int | None = None
-    # On CUDA with neither size set, each worker sizes its cache at start: this fraction of the device's
-    # memory is the engine's, and the KV cache gets what the weights, the buffers and everything else
-    # already on the device leave of it (`raystate.worker.kv_cache.auto_kv_budget`); the rest is for
-    # activations and CUDA graphs. None: DEFAULT_GPU_MEMORY_UTILIZATION. Not used on the CPU.
+    # On CUDA with neither size set, each worker sizes its cache at start: this share of the device's
+    # memory is the worker's, its weights and buffers take their part and the KV cache the rest
+    # (`raystate.worker.kv_cache.auto_kv_budget`); above the share: activations, CUDA graphs, the CUDA
+    # context. None: DEFAULT_GPU_MEMORY_UTILIZATION (times the GPU fraction of shards that share one).
+    # Not used on the CPU.
     gpu_memory_utilization: float | None = None
     # Blocks per group, in `kv_groups` order: what the start-up sizing resolved (the smallest count of
     # every shard, `EngineConfig.with_group_blocks`); set by the engine, not by users.

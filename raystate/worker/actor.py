@@ -19,12 +19,13 @@ buffers, kv_cache, cuda_graphs) with its seconds, then its "ready" line. `startu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import uuid
 
-from raystate.config import EngineConfig
+from raystate.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from raystate.messages import StepResult, decode_step, encode, ids_to_bytes
 
 _STDERR_HANDLER = "raystate-stderr"  # the name of the handler `show_info_on_stderr` adds
@@ -48,6 +49,28 @@ def show_info_on_stderr() -> None:
     log.addHandler(handler)
 
 
+def shared_gpu_config(config: EngineConfig, gpu_fraction: float) -> EngineConfig:
+    """A shard given a fraction of a GPU (num_gpus_per_shard < 1) that sizes its KV cache from the device
+    takes that fraction of the default share, so the shards on one GPU together take the default; a
+    gpu_memory_utilization the user set is each shard's own share, as given."""
+    if not (
+        config.kv_sized_at_start and config.cache.gpu_memory_utilization is None and 0 < gpu_fraction < 1
+    ):
+        return config
+    share = DEFAULT_GPU_MEMORY_UTILIZATION * gpu_fraction
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, gpu_memory_utilization=share))
+
+
+def _assigned_gpus() -> float:
+    """The GPUs Ray reserved for this actor (a fraction when shards share one); 1 outside a Ray worker."""
+    import ray
+
+    try:
+        return float(ray.get_runtime_context().get_assigned_resources().get("GPU", 1.0))
+    except Exception:  # not a Ray worker process (a test builds the actor class directly)
+        return 1.0
+
+
 class WorkerActor:
     def __init__(self, config: EngineConfig, shard: int, dry_run: bool = False) -> None:
         show_info_on_stderr()
@@ -59,6 +82,8 @@ class WorkerActor:
         if not dry_run:
             from raystate.worker.worker import Worker
 
+            if config.kv_sized_at_start:
+                config = shared_gpu_config(config, _assigned_gpus())
             self.worker = Worker(config)
 
     def execute(self, data: bytes) -> bytes:

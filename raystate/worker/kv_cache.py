@@ -8,26 +8,6 @@ from raystate.config import EngineConfig
 from raystate.errors import InvalidRequest
 from raystate.kv_layout import KVCacheGroupSpec, kv_block_bytes, plan_group_blocks
 
-
-def auto_kv_budget(utilization: float, total_bytes: int, free_bytes: int) -> int:
-    """KV cache bytes for a worker that sizes its cache from the device: `utilization` of the device's
-    memory, less what the device already holds (this process's weights and buffers, its CUDA context and
-    any other process's memory), measured after everything but the KV cache is allocated. What stays
-    free above that share is for activations, CUDA graphs and the allocator's slack. vLLM's flag of the
-    same name takes the activations' measured peak out of the share instead of leaving it outside."""
-    in_use = total_bytes - free_bytes
-    budget = int(utilization * total_bytes) - in_use
-    if budget <= 0:
-        raise InvalidRequest(
-            "gpu_memory_utilization",
-            f"above {in_use / total_bytes:.3f}: the device already holds {in_use / 2**30:.1f} GiB of its "
-            f"{total_bytes / 2**30:.1f} GiB before the KV cache (weights, buffers, other processes); raise "
-            "it or size the cache with kv_cache_bytes / num_blocks",
-            utilization,
-        )
-    return budget
-
-
 # The most blocks a group gets from the device's memory (16M tokens at block size 16). Real models stay
 # far below it (an 8B model's 0.9 of an H200 is ~50k blocks of 16 tokens; Gemma-3-4B's, where only the
 # 1-in-6 full layers keep a cached token, a few hundred thousand); a toy model would get tens of
@@ -36,13 +16,46 @@ def auto_kv_budget(utilization: float, total_bytes: int, free_bytes: int) -> int
 MAX_AUTO_BLOCKS = 1 << 20
 
 
+def auto_kv_budget(utilization: float, total_bytes: int, free_bytes: int, own_bytes: int) -> int:
+    """KV cache bytes for a worker that sizes its cache from its device, measured once everything but the
+    KV cache is allocated: `utilization` of the device's memory is this worker's; its weights and
+    buffers (`own_bytes`, what torch holds for this process) take their part of that share and the KV
+    cache the rest, which must be free. What stays above the share is for activations, CUDA graphs, the
+    CUDA context and other processes (vLLM's flag of the same name measures the activations' peak
+    inside the share instead). Only this process's memory counts, so shards that start together on a
+    shared GPU do not see each other's half-loaded weights."""
+    budget = int(utilization * total_bytes) - own_bytes
+    if budget <= 0:
+        raise InvalidRequest(
+            "gpu_memory_utilization",
+            f"above {own_bytes / total_bytes:.3f}: this worker's weights and buffers hold "
+            f"{own_bytes / 2**30:.1f} GiB of the device's {total_bytes / 2**30:.1f} GiB before the KV cache; "
+            "raise it, or size the cache with kv_cache_bytes / num_blocks",
+            utilization,
+        )
+    if budget > free_bytes:
+        raise InvalidRequest(
+            "gpu_memory_utilization",
+            f"at most {(own_bytes + free_bytes) / total_bytes:.3f}: the device has {free_bytes / 2**30:.1f} "
+            f"GiB free once this worker's weights and buffers are loaded and the share asks "
+            f"{budget / 2**30:.1f} GiB for the KV cache (other processes, or shards sharing the GPU, hold "
+            "the rest); lower it, or size the cache with kv_cache_bytes / num_blocks",
+            utilization,
+        )
+    return budget
+
+
 def auto_group_blocks(
-    config: EngineConfig, groups: tuple[KVCacheGroupSpec, ...], total_bytes: int, free_bytes: int
+    config: EngineConfig,
+    groups: tuple[KVCacheGroupSpec, ...],
+    total_bytes: int,
+    free_bytes: int,
+    own_bytes: int,
 ) -> tuple[int, ...]:
     """Blocks per group from `auto_kv_budget`, split as a kv_cache_bytes budget is
     (`plan_group_blocks`), at most MAX_AUTO_BLOCKS each; an error naming gpu_memory_utilization when
     they would not fit two per group."""
-    budget = auto_kv_budget(config.gpu_memory_utilization, total_bytes, free_bytes)
+    budget = auto_kv_budget(config.gpu_memory_utilization, total_bytes, free_bytes, own_bytes)
     try:
         counts = plan_group_blocks(
             groups,

@@ -104,11 +104,11 @@ class Worker:
         t0 = self._phase_done("buffers", t0)
         # Last of the fixed allocations, so a cache sized from the device's memory sees all the others.
         if config.kv_sized_at_start:
-            torch.cuda.empty_cache()  # the loader's freed temporaries would count as in use
+            torch.cuda.empty_cache()  # the loader's freed temporaries would count as this worker's
             free, total = torch.cuda.mem_get_info(self.device)
-            self.config = config = config.with_group_blocks(
-                auto_group_blocks(config, self.groups, total, free)
-            )
+            own = torch.cuda.memory_reserved(self.device)
+            counts = auto_group_blocks(config, self.groups, total, free, own)
+            self.config = config = config.with_group_blocks(counts)
         self.kv_caches = allocate_kv_caches(
             self.groups, self.model.config.num_layers, config.group_num_blocks, dtype, self.device
         )

@@ -15,6 +15,7 @@ from raystate.engine_args import EngineArgs, build_engine_config
 from raystate.errors import InvalidRequest
 from raystate.kv_layout import kv_block_bytes, plan_group_blocks
 from raystate.launch import smallest_blocks
+from raystate.worker.actor import shared_gpu_config
 from raystate.worker.kv_cache import MAX_AUTO_BLOCKS, auto_group_blocks, auto_kv_budget, kv_cache_bytes
 
 GiB = 2**30
@@ -25,32 +26,49 @@ def cuda_config(**cache) -> EngineConfig:
     return EngineConfig(model=TINY, cache=CacheConfig(**cache), device="cuda")
 
 
-def test_the_budget_is_the_share_less_what_the_device_holds():
-    # 80 GiB device, 20 GiB in use after the weights and buffers: 0.9 * 80 - 20 = 52 GiB.
-    assert auto_kv_budget(0.9, 80 * GiB, 60 * GiB) == int(0.9 * 80 * GiB) - 20 * GiB
-    assert auto_kv_budget(1.0, 80 * GiB, 60 * GiB) == 60 * GiB  # everything free
+def test_the_budget_is_the_share_less_what_this_worker_holds():
+    # 80 GiB device, the worker's weights and buffers 20 GiB: 0.9 * 80 - 20 = 52 GiB, if that much is free.
+    assert auto_kv_budget(0.9, 80 * GiB, 59 * GiB, 20 * GiB) == int(0.9 * 80 * GiB) - 20 * GiB
+    assert auto_kv_budget(1.0, 80 * GiB, 60 * GiB, 20 * GiB) == 60 * GiB
+    # Other processes' memory does not change the budget (only whether it is free).
+    assert auto_kv_budget(0.5, 80 * GiB, 30 * GiB, 10 * GiB) == 30 * GiB
     with pytest.raises(InvalidRequest, match=r"gpu_memory_utilization: must be above 0\.500") as e:
-        auto_kv_budget(0.5, 80 * GiB, 40 * GiB)  # the share is already used up
-    assert "40.0 GiB" in str(e.value)
+        auto_kv_budget(0.5, 80 * GiB, 40 * GiB, 40 * GiB)  # the weights alone fill the share
+    assert "weights and buffers hold 40.0 GiB" in str(e.value)
+    # The share asks more than is free (another process holds 30 GiB): at most (20 + 30) / 80.
+    with pytest.raises(InvalidRequest, match=r"gpu_memory_utilization: must be at most 0\.625") as e:
+        auto_kv_budget(0.9, 80 * GiB, 30 * GiB, 20 * GiB)
+    assert "30.0 GiB free" in str(e.value)
 
 
 def test_blocks_are_the_budget_split_as_kv_cache_bytes_is():
     config = cuda_config()
     groups = config.kv_groups
     budget = int(0.9 * 8 * GiB) - 3 * GiB
-    counts = auto_group_blocks(config, groups, 8 * GiB, 5 * GiB)
+    counts = auto_group_blocks(config, groups, 8 * GiB, 5 * GiB, 3 * GiB)
     assert counts == plan_group_blocks(groups, budget, 2, True, 64, 2048)
     used = sum(kv_block_bytes(g, 2) * n for g, n in zip(groups, counts, strict=True))
     assert used <= budget
     # Room for less than two blocks a group: the error names the share, not kv_cache_bytes.
     total = 8 * GiB
     with pytest.raises(InvalidRequest, match="gpu_memory_utilization: must be a share that leaves"):
-        auto_group_blocks(config, groups, total, total - int(0.9 * total) + 1000)
+        auto_group_blocks(config, groups, total, GiB, int(0.9 * total) - 1000)
+
+
+def test_shards_sharing_a_gpu_split_the_default_share():
+    config = cuda_config()
+    assert shared_gpu_config(config, 0.25).gpu_memory_utilization == pytest.approx(0.225)
+    assert shared_gpu_config(config, 1.0) is config
+    assert shared_gpu_config(config, 0.0) is config  # no GPU reserved: the whole default
+    own = cuda_config(gpu_memory_utilization=0.3)
+    assert shared_gpu_config(own, 0.25) is own  # the user's share is each shard's, as given
+    sized = cuda_config(num_blocks=64)
+    assert shared_gpu_config(sized, 0.25) is sized
 
 
 def test_a_toy_model_on_a_big_device_stops_at_the_block_cap():
     config = cuda_config()  # tiny: 0.9 of 200 GiB would be ~26M blocks of its full-attention group
-    counts = auto_group_blocks(config, config.kv_groups, 200 * GiB, 200 * GiB)
+    counts = auto_group_blocks(config, config.kv_groups, 200 * GiB, 199 * GiB, GiB // 2)
     assert max(counts) == MAX_AUTO_BLOCKS
     assert counts == tuple(
         min(n, MAX_AUTO_BLOCKS)
@@ -102,10 +120,10 @@ def test_shards_run_the_smallest_count_of_each_group():
 
 @pytest.fixture
 def fake_device(monkeypatch):
-    """Makes a CPU engine size its KV cache as a CUDA one does, on a device of `total` bytes with `free`
-    of them free once the weights and buffers are loaded."""
+    """Makes a CPU engine size its KV cache as a CUDA one does, on a device of `total` bytes of which
+    `free` are free and `own` are this process's once the weights and buffers are loaded."""
 
-    def install(total: int, free: int) -> None:
+    def install(total: int, free: int, own: int) -> None:
         monkeypatch.setattr(
             EngineConfig,
             "kv_sized_at_start",
@@ -116,6 +134,7 @@ def fake_device(monkeypatch):
             ),
         )
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: own)
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
     return install
@@ -124,7 +143,8 @@ def fake_device(monkeypatch):
 def test_an_engine_runs_the_blocks_its_worker_measured(fake_device):
     """Worker -> engine config -> scheduler pools -> KV tensors: one count everywhere, and requests run."""
     total = 4 * GiB
-    fake_device(total, total - int(0.9 * total) + (6 << 20))  # 6 MiB left for the KV cache
+    own = int(0.9 * total) - (6 << 20)  # the weights and buffers leave 6 MiB of the share
+    fake_device(total, 2 * GiB, own)
     llm = LLM(model="tiny", backend="inprocess", max_model_len=256, max_num_seqs=4)
     worker = llm.engine.worker
     counts = llm.config.group_num_blocks
@@ -144,8 +164,8 @@ def test_an_engine_runs_the_blocks_its_worker_measured(fake_device):
 
 
 def test_a_device_already_full_fails_the_start_naming_the_field(fake_device):
-    fake_device(4 * GiB, GiB // 8)  # 0.97 of the device in use before the KV cache: above 0.9
-    with pytest.raises(InvalidRequest, match=r"gpu_memory_utilization: must be above 0\.969"):
+    fake_device(4 * GiB, GiB // 8, 3 * GiB + 4 * GiB // 5)  # the weights and buffers hold 0.95 of it
+    with pytest.raises(InvalidRequest, match=r"gpu_memory_utilization: must be above 0\.950"):
         LLM(model="tiny", backend="inprocess", max_model_len=256, max_num_seqs=4)
 
 
@@ -155,9 +175,9 @@ def test_a_cuda_engine_sizes_its_cache_from_the_device(monkeypatch):
     """The real CUDA path (empty_cache, mem_get_info, allocation, graph capture over the sized cache),
     with the device's reading replaced so the size does not depend on what other test processes hold."""
     total = 80 * GiB
-    monkeypatch.setattr(
-        torch.cuda, "mem_get_info", lambda device=None: (total - int(0.9 * total) + (64 << 20), total)
-    )
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (GiB, total))
+    # This worker's weights and buffers leave 64 MiB of the 0.9 share for the KV cache.
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: int(0.9 * total) - (64 << 20))
     llm = LLM(model="tiny", backend="inprocess", device="cuda", max_model_len=256, max_num_seqs=8)
     counts = llm.config.group_num_blocks
     assert counts == plan_group_blocks(llm.config.kv_groups, 64 << 20, 2, True, 8, 2048)
