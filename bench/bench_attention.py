@@ -39,7 +39,7 @@ import triton.language as tl
 import triton.testing
 from bench_decode import copy_bandwidth, graph_time_us
 
-from raystate.kernels import attention, cdiv, next_pow2, paged_attention
+from raystate.kernels import _pdl, attention, cdiv, next_pow2, paged_attention
 from raystate.kernels.attention_launch import AttentionLaunch, device_limits, launch_config, plan_launch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -343,13 +343,13 @@ def split_decode(args, hbm) -> list[dict]:
                 continue
             row[name] = us
             row[f"{name} of_hbm"] = one.kv_bytes() / (us * 1e-6) / hbm
-        if splits > 1:  # the same launch with the combine launched plainly, not as a PDL dependent
-            name = "policy, combine w/o PDL"
-            attention.SPLIT_COMBINE_PDL = False
+        if splits > 1:  # the same launches made plainly, not as programmatic dependents
+            name = "policy w/o PDL"
+            saved_pdl = _pdl.set_enabled(False)
             try:
                 row[name] = graph_time_us(lambda i, c=copies: c[i % len(c)].run(), 2 * len(copies))
             finally:
-                attention.SPLIT_COMBINE_PDL = True
+                _pdl.set_enabled(saved_pdl)
             row[f"{name} of_hbm"] = one.kv_bytes() / (row[name] * 1e-6) / hbm
             variants = {**variants, name: None}
         ratio = row["policy"] / row["current"]

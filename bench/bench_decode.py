@@ -149,14 +149,18 @@ def run(
 # with a plain argmax, to show the guard's cost side by side; "logprobs 5" asks every request for its
 # sampled token's logprob and the top 5 (the logprobs variant of the graphs); "no split-KV" turns the
 # split-KV decode attention off (one program per row and kv head), its before/after; "cuBLASLt" has
-# torch issue the projections through cuBLASLt instead of cuBLAS (bench_blas.py times both). The last
-# three are run only when named in --configs.
+# torch issue the projections through cuBLASLt instead of cuBLAS (bench_blas.py times both); "no PDL"
+# launches every kernel plainly (RAYSTATE_PDL=0); "fp32 greedy" takes the greedy ids as before 2026-12-05
+# (the head's output converted to fp32, then torch's row max). Those five are run only when named in
+# --configs.
 CONFIGS = (
     ("graphs + async", True, True, "default"),
     ("graphs + async, unguarded argmax", True, True, "unguarded"),
     ("graphs + async + logprobs 5", True, True, "logprobs"),
     ("graphs + async + no split-KV", True, True, "no_split"),
     ("graphs + async + cuBLASLt", True, True, "cublaslt"),
+    ("graphs + async + no PDL", True, True, "no_pdl"),
+    ("graphs + async + fp32 greedy", True, True, "fp32_greedy"),
     ("graphs", True, False, "default"),
     ("eager", False, False, "default"),
 )
@@ -226,16 +230,38 @@ def main() -> None:
         plot(args.plot, medians, floor, args, name)
 
 
-OPT_IN_VARIANTS = ("logprobs", "no_split", "cublaslt")
+OPT_IN_VARIANTS = ("logprobs", "no_split", "cublaslt", "no_pdl", "fp32_greedy")
 
 
 @contextlib.contextmanager
 def step_variant(variant: str):
     """ "unguarded": the graph's greedy step without the non-finite-row guard (a plain argmax), for its
     cost; "no_split": no split-KV decode attention; "cublaslt": projections through cuBLASLt;
-    "default" and "logprobs": as shipped."""
+    "no_pdl": every kernel launched plainly; "fp32_greedy": greedy ids from an fp32 copy of the head's
+    output by torch's row max; "default" and "logprobs": as shipped."""
     if variant in ("default", "logprobs"):
         yield
+        return
+    if variant == "no_pdl":
+        from raystate.kernels import _pdl
+
+        saved_pdl = _pdl.set_enabled(False)
+        try:
+            yield
+        finally:
+            _pdl.set_enabled(saved_pdl)
+        return
+    if variant == "fp32_greedy":
+        from raystate.kernels.greedy import greedy_checked_ref
+        from raystate.messages import FAILED_ROW
+        from raystate.worker import cudagraph
+
+        saved_guard = cudagraph.greedy_checked
+        cudagraph.greedy_checked = lambda logits: greedy_checked_ref(logits.float(), FAILED_ROW)
+        try:
+            yield
+        finally:
+            cudagraph.greedy_checked = saved_guard
         return
     if variant == "cublaslt":
         saved_library = torch.backends.cuda.preferred_blas_library()

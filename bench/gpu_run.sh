@@ -2,7 +2,7 @@
 # Everything that needs the GPU machine (one H200), in one call: the CUDA tests, then every GPU benchmark,
 # logs, JSON and plots into $OUT (or ./out). From the repo root, with .whl/ carried
 # (../shared/device/make-wheels.sh builds it):
-#   bash bench/gpu_run.sh [tests|split_tests|kv_auto|dispatch|attention|attention_split|blas|gemm|kernels|decode|decode_small|logprobs|prefix|throughput|hf|hf_blas|serve_profile|serve_replicas|cold ...]
+#   bash bench/gpu_run.sh [tests|split_tests|pdl_tests|kv_auto|dispatch|attention|attention_split|blas|gemm|kernels|pdl|decode|decode_small|logprobs|prefix|throughput|hf|hf_blas|hf_pdl|serve_profile|serve_replicas|cold ...]
 #   (default: all but hf, cold, decode_small and logprobs)
 set -o pipefail
 . bench/gpu_setup.sh || exit 1
@@ -86,6 +86,20 @@ for part in $parts; do
           --prompt-mix 128,512,2048 --shared-prefixes 4 --duration ${SERVE_DUR:-20} 2>&1 \
           | tee -a "$OUT/serve_replicas.log" | grep -A 30 "clients ("
       done ;;
+    pdl_tests)  # the kernels launched as programmatic dependents and the greedy kernel, compiled; graphs, replay, model
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rfE --durations=5 -p no:cacheprovider -p no:benchmark -n 16 \
+        --timeout ${TEST_TIMEOUT:-200} tests/kernels/test_greedy.py tests/kernels/test_fused_layers.py \
+        tests/kernels/test_attention_split.py tests/worker tests/model/test_model_gpu.py \
+        tests/engine/test_engine_replay.py tests/engine/test_request_isolation.py 2>&1 \
+        | tee "$OUT/gpu_tests_pdl.log" | tail -12 ;;
+    pdl)  # what programmatic dependent launch saves per graph node
+      timeout 120 python3 bench/bench_pdl.py --json "$OUT/pdl.json" 2>&1 | tee "$OUT/pdl.log" | tail -10 ;;
+    hf_pdl)  # Gemma-3-4B's decode step (batch 64, 4k): as shipped, without PDL, with the fp32 greedy path
+      timeout 300 python3 bench/bench_hf_models.py --shape gemma3-4b --root /tmp/hf_ckpt ${HF_EXACT:---skip-exactness} \
+        --json "$OUT/hf_gemma3-4b.json" 2>&1 | grep -v "Loading weights" | tail -3
+      timeout 400 python3 bench/bench_decode.py --model /tmp/hf_ckpt/gemma3-4b --batch 64 --context 4096 \
+        --steps 32 --configs "${HF_CONFIGS:-graphs + async,graphs + async + no PDL,graphs + async + fp32 greedy}" \
+        ${HF_PROFILE:-} 2>&1 | tee "$OUT/decode_gemma3-4b_pdl.log" | grep -v "^ " ;;
     hf_blas)  # Gemma-3-4B's decode step (batch 64, 4k) with the projections on cuBLAS and on cuBLASLt
       timeout 300 python3 bench/bench_hf_models.py --shape gemma3-4b --root /tmp/hf_ckpt --skip-exactness 2>&1 \
         | grep -v "Loading weights" | tail -3

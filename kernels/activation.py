@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from raystate.kernels._common import cdiv, use_triton
+from raystate.kernels._pdl import launch_options, pdl_prologue, use_pdl
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -38,7 +39,9 @@ def _silu_and_mul_kernel(
     width,  # I
     GELU_TANH: tl.constexpr,  # False: silu
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent (raystate.kernels._pdl)
 ):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -74,7 +77,15 @@ def act_and_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     out = torch.empty((num_rows, width), dtype=gate_up.dtype, device=gate_up.device)
     if num_rows:
         block = 1024
+        pdl = use_pdl(gate_up)
         _silu_and_mul_kernel[(num_rows, cdiv(width, block))](
-            gate_up, out, gate_up.stride(0), width, GELU_TANH=act == "gelu_tanh", BLOCK=block
+            gate_up,
+            out,
+            gate_up.stride(0),
+            width,
+            GELU_TANH=act == "gelu_tanh",
+            BLOCK=block,
+            USE_PDL=pdl,
+            **launch_options(pdl),
         )
     return out

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from raystate.kernels._common import interpreting, next_pow2, use_triton
+from raystate.kernels._pdl import launch_options, pdl_prologue, use_pdl
 from raystate.kernels.attention_launch import AttentionLaunch, LaunchPlan, plan_launch
 
 _LOG2E = math.log2(math.e)
@@ -312,6 +313,7 @@ def _paged_attention_kernel(
     bt_strides,  # the block table's (row, column)
     SHAPE: tl.constexpr,  # (HEAD_DIM, BLOCK_D, BLOCK_SIZE, GROUP, HAS_FLOOR, DOT_PRECISION, DOT_IN_FP32)
     TILE: tl.constexpr,  # (BLOCK_Q, BLOCK_M, BLOCK_N, ROW_PROGRAMS), from attention_launch
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent (raystate.kernels._pdl)
 ):
     """One program: BLOCK_Q query tokens of one batch row times the GROUP query heads of one kv head
     (the tile layout: grid (tiles * H_kv,)), or every query tile of one row (ROW_PROGRAMS, the decode
@@ -330,6 +332,7 @@ def _paged_attention_kernel(
     HAS_FLOOR: tl.constexpr = SHAPE[4]
     BLOCK_Q: tl.constexpr = TILE[0]
     ROW_PROGRAMS: tl.constexpr = TILE[3]
+    pdl_prologue(USE_PDL)
     if ROW_PROGRAMS:
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -479,7 +482,7 @@ def _split_kv_kernel(
     BLOCK_M: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
     BLOCK_N: tl.constexpr,  # keys per step
     NUM_STAGES: tl.constexpr,  # software pipelining of the key loop (1: none)
-    USE_PDL: tl.constexpr,  # let the combine, launched as a programmatic dependent, start early
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent; so is the combine after it
 ):
     """Split-KV decode, grid (B, H_kv, S): program (row, kv head, split) attends the GROUP query heads of
     each of the row's query tokens over split `split` of that token's keys and stores the partial softmax
@@ -498,10 +501,9 @@ def _split_kv_kernel(
     BLOCK_D: tl.constexpr = SHAPE[1]
     GROUP: tl.constexpr = SHAPE[3]
     HAS_FLOOR: tl.constexpr = SHAPE[4]
-    if USE_PDL:
-        # The combine may be scheduled once every split program has started; it waits in
-        # griddepcontrol.wait until this grid has finished and its partials are visible.
-        tl.extra.cuda.gdc_launch_dependents()
+    # The combine may then be scheduled once every split program has started; it waits in
+    # griddepcontrol.wait until this grid has finished and its partials are visible.
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = (tl.program_id(2), tl.num_programs(2), min_chunk)
@@ -571,12 +573,11 @@ def _split_combine_kernel(
     spreads a batch-1 combine over several programs, each loading its splits' partials at once. An empty
     split (m_s = -inf) weighs 0; a query that saw no key gets 0 (as the one-launch kernel). Tokens past
     query_start_loc[B] (padding) are not written."""
+    pdl_prologue(USE_PDL)  # the split kernel has finished; its partials are visible
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.program_id(2) * D_SLICE + tl.arange(0, D_SLICE)  # [D_SLICE]
     num_real = tl.load(query_start_loc_ptr + num_rows)  # tokens past it are padding
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the split kernel has finished; its partials are visible
     ml_row = ml_ptr + token * ml_strides[0] + head * ml_strides[1]
     acc_row = acc_ptr + token * acc_strides[0] + head * acc_strides[1] + offs_d[None, :] * acc_strides[3]
     # The first chunk straight-line (every split of a small launch: one round trip), the rest in order.
@@ -601,15 +602,6 @@ def _split_combine_kernel(
 # The combine's head-dim slice and how many fp32 partials a program loads at once (CHUNK_S x D_SLICE).
 COMBINE_D_SLICE = 32
 COMBINE_CHUNK_ELEMS = 4096
-# Launch the combine as a programmatic dependent of the split kernel (Hopper and later, where this
-# Triton has the grid-dependency intrinsics): its launch overlaps the split kernel's tail.
-SPLIT_COMBINE_PDL = True
-
-
-@functools.lru_cache(maxsize=16)
-def _pdl_supported(device_index: int) -> bool:
-    cuda = getattr(tl.extra, "cuda", None)
-    return hasattr(cuda, "gdc_wait") and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def _paged_attention_triton(
@@ -653,6 +645,7 @@ def _paged_attention_triton(
         return out
     kernel = _paged_attention_kernel
     run = functools.partial(kernel.warmup, grid=plan.grid) if compile_only else kernel[plan.grid]
+    pdl = use_pdl(query)
     run(
         query,
         k_cache,
@@ -673,8 +666,10 @@ def _paged_attention_triton(
         block_table.stride(),
         SHAPE=shape,
         TILE=plan.tile,
+        USE_PDL=pdl,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
+        **launch_options(pdl),
     )
     return out
 
@@ -705,7 +700,7 @@ def _split_attention(
     d_slice = min(block_d, COMBINE_D_SLICE)
     chunk_s = min(next_pow2(splits), max(1, COMBINE_CHUNK_ELEMS // d_slice))
     split_grid, combine_grid = plan.grid, (num_tokens, num_q_heads, block_d // d_slice)
-    pdl = SPLIT_COMBINE_PDL and query.is_cuda and _pdl_supported(query.device.index or 0)
+    pdl = use_pdl(query)
     split_kernel, combine_kernel = _split_kv_kernel, _split_combine_kernel
     if compile_only:
         run_split = functools.partial(split_kernel.warmup, grid=split_grid)
@@ -737,6 +732,7 @@ def _split_attention(
         NUM_STAGES=plan.num_stages,
         USE_PDL=pdl,
         num_warps=plan.num_warps,
+        **launch_options(pdl),
     )
     run_combine(
         acc,
@@ -753,7 +749,7 @@ def _split_attention(
         CHUNK_S=chunk_s,
         USE_PDL=pdl,
         num_warps=4,
-        **({"launch_pdl": True} if pdl else {}),
+        **launch_options(pdl),
     )
 
 

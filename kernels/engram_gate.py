@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from raystate.kernels._common import next_pow2, use_triton
+from raystate.kernels._pdl import launch_options, pdl_prologue, use_pdl
 from raystate.kernels.norm import rms_norm_ref
 
 
@@ -61,7 +62,9 @@ def _engram_gate_kernel(
     eps,
     inv_sqrt_n,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent (raystate.kernels._pdl)
 ):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -94,6 +97,7 @@ def engram_gate(
         assert t.stride(-1) == 1, "rows must be contiguous"
     out = torch.empty((num_rows, num_cols), dtype=hidden.dtype, device=hidden.device)
     if num_rows:
+        pdl = use_pdl(hidden)
         _engram_gate_kernel[(num_rows,)](
             hidden,
             key,
@@ -108,5 +112,7 @@ def engram_gate(
             eps,
             1.0 / math.sqrt(num_cols),
             BLOCK=next_pow2(num_cols),
+            USE_PDL=pdl,
+            **launch_options(pdl),
         )
     return out

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from raystate.kernels._common import cdiv, next_pow2, use_triton
+from raystate.kernels._pdl import launch_options, pdl_prologue, use_pdl
 
 
 def engram_hash_scalar(
@@ -148,7 +149,9 @@ def _engram_hash_kernel(
     N: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent (raystate.kernels._pdl)
 ):
+    pdl_prologue(USE_PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # int32 [BLOCK_T]
     in_range = tokens < num_tokens
     heads = tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -224,6 +227,7 @@ def engram_hash(
     assert depth == 0 or lookback_col_stride == 1
     num_rows = query_start_loc.shape[0] - 1
     block_t = min(128, next_pow2(num_tokens))
+    pdl = use_pdl(input_ids)
     _engram_hash_kernel[(cdiv(num_tokens, block_t),)](
         out,
         out_row_stride,
@@ -246,5 +250,7 @@ def engram_hash(
         N=n,
         BLOCK_T=block_t,
         BLOCK_H=next_pow2(heads),
+        USE_PDL=pdl,
+        **launch_options(pdl),
     )
     return out

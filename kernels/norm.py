@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from raystate.kernels._common import next_pow2, use_triton
+from raystate.kernels._pdl import launch_options, pdl_prologue, use_pdl
 
 
 def rms_norm_ref(
@@ -53,8 +54,10 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     PRE_NORM: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent (raystate.kernels._pdl)
 ):
     # One program per row; outputs are contiguous [T, N].
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -99,6 +102,7 @@ def rms_norm(
         assert res2.stride(-1) == 1, "residual rows must be contiguous"
         summed = torch.empty_like(out)
     if num_rows:
+        pdl = use_pdl(x)
         _rms_norm_kernel[(num_rows,)](
             x2,
             res2,
@@ -114,6 +118,8 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             PRE_NORM=pre_weight is not None,
             BLOCK=next_pow2(num_cols),
+            USE_PDL=pdl,
+            **launch_options(pdl),
         )
     return out.view(shape), (summed.view(shape) if summed is not None else None)
 
@@ -144,8 +150,10 @@ def _rms_norm_heads_kernel(
     weight_offset,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program per (token, head).
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -174,6 +182,7 @@ def rms_norm_heads_(
         return rms_norm_heads_ref(x, weight, eps, weight_offset, col_start, head_dim, num_heads)
     assert x.dim() == 2 and x.stride(-1) == 1, "rows must be contiguous"
     if x.shape[0]:
+        pdl = use_pdl(x)
         _rms_norm_heads_kernel[(x.shape[0], num_heads)](
             x,
             weight,
@@ -183,5 +192,7 @@ def rms_norm_heads_(
             weight_offset,
             HEAD_DIM=head_dim,
             BLOCK=next_pow2(head_dim),
+            USE_PDL=pdl,
+            **launch_options(pdl),
         )
     return x

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from raystate.kernels._common import next_pow2, use_triton
+from raystate.kernels._pdl import launch_options, pdl_prologue, use_pdl
 from raystate.kernels.norm import rms_norm_heads_ref
 
 
@@ -144,7 +145,9 @@ def _rope_write_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent (raystate.kernels._pdl)
 ):
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     half = head_dim // 2
     dims = tl.arange(0, BLOCK_HALF)
@@ -232,6 +235,7 @@ def rope_write_kv(
         return q
     assert qkv.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert head_dim % 2 == 0 and cos_sin.is_contiguous()
+    pdl = use_pdl(qkv)
     _rope_write_kv_kernel[(num_tokens,)](
         qkv,
         positions,
@@ -259,5 +263,7 @@ def rope_write_kv(
         BLOCK_H=next_pow2(num_heads),
         BLOCK_KV=next_pow2(num_kv_heads),
         BLOCK_HALF=next_pow2(head_dim // 2),
+        USE_PDL=pdl,
+        **launch_options(pdl),
     )
     return q

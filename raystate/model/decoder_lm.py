@@ -19,7 +19,7 @@ from raystate.config import ModelConfig
 from raystate.kernels.activation import act_and_mul
 from raystate.kv_layout import KVCacheGroupSpec, kv_cache_group_specs
 from raystate.model.attention import Attention, ForwardMetadata
-from raystate.model.layers import RMSNorm, TokenEmbedding, logits_fp32, rotary_table
+from raystate.model.layers import RMSNorm, TokenEmbedding, head_logits, logits_fp32, rotary_table
 
 
 class GatedMLP(nn.Module):
@@ -200,3 +200,6 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return logits_fp32(self.lm_head, hidden, out)  # [N, hidden] -> fp32 [N, vocab]
+
+    def compute_head(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return head_logits(self.lm_head, hidden, out)  # [N, hidden] -> [N, vocab] in the weights' dtype

@@ -14,7 +14,15 @@ from raystate.kernels.activation import silu_and_mul
 from raystate.kernels.norm import rms_norm
 from raystate.model.rope import apply_rotary, rotary_table
 
-__all__ = ["RMSNorm", "SwiGLU", "TokenEmbedding", "apply_rotary", "logits_fp32", "rotary_table"]
+__all__ = [
+    "RMSNorm",
+    "SwiGLU",
+    "TokenEmbedding",
+    "apply_rotary",
+    "head_logits",
+    "logits_fp32",
+    "rotary_table",
+]
 
 
 class RMSNorm(nn.Module):
@@ -75,3 +83,13 @@ def logits_fp32(
     """The head's output in fp32; into `out` by the one converting copy, without an fp32 temporary."""
     logits = lm_head(hidden)
     return logits.float() if out is None else out.copy_(logits)
+
+
+def head_logits(
+    lm_head: nn.Linear,  # bias-free
+    hidden: torch.Tensor,  # [N, hidden]
+    out: torch.Tensor,  # [N, vocab] in the head's dtype: written in place (the decode graph's buffer)
+) -> torch.Tensor:  # out
+    """The head's output in its own dtype, written by the GEMM straight into `out` (the same product
+    `lm_head(hidden)` computes): what a greedy decode step needs, without an fp32 copy of the logits."""
+    return torch.mm(hidden, lm_head.weight.t(), out=out)

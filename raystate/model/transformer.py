@@ -15,7 +15,7 @@ from raystate.config import ModelConfig
 from raystate.kv_layout import KVCacheGroupSpec, kv_cache_group_specs
 from raystate.model.attention import Attention, ForwardMetadata
 from raystate.model.engram import Engram
-from raystate.model.layers import RMSNorm, SwiGLU, TokenEmbedding, logits_fp32, rotary_table
+from raystate.model.layers import RMSNorm, SwiGLU, TokenEmbedding, head_logits, logits_fp32, rotary_table
 
 
 class DecoderLayer(nn.Module):
@@ -138,3 +138,6 @@ class TinyHybrid(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return logits_fp32(self.lm_head, hidden, out)  # [N, hidden] -> fp32 [N, vocab]
+
+    def compute_head(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return head_logits(self.lm_head, hidden, out)  # [N, hidden] -> [N, vocab] in the weights' dtype

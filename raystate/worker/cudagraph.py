@@ -9,7 +9,10 @@ padded batch size (1, 2, 4, ... max_num_seqs), holds the step's device work from
     -> chunk starts scattered into the token-state's device copy -> input ids gathered from the token
     history -> engram lookback, slot mappings, block tables gathered per row and attention metadata (the
     model state's `build_metadata`, the eager step's own) -> forward -> logits -> greedy argmax
-    (FAILED_ROW where a row's logits are not finite) -> the argmax appended to the history.
+    (FAILED_ROW where a row's logits are not finite) -> the argmax appended to the history. The plain
+    variant keeps the head's output in the model's dtype (the greedy ids are read from it; at a 262k
+    vocabulary an fp32 copy costs ~1% of a step); the others, and host-side sampling after it
+    (`sampling_logits`), have fp32 logits.
 
 The host's share per step is filling the staging buffer, one copy, one replay, one copy of the sampled
 ids back. Rows past the batch size are padding: they point at the token state's scratch slot (never a
@@ -91,6 +94,14 @@ class DecodeGraphs:
         self.staged = torch.zeros(n, dtype=torch.int64, device=dev)  # int64 [4 Bmax + 1]
         vocab_size = parts.model.config.vocab_size
         self.logits = torch.zeros((max_b, vocab_size), dtype=torch.float32, device=dev)  # fp32 [Bmax, V]
+        # The head's output in the model's dtype: the plain variant's greedy ids are taken from it, and
+        # it becomes fp32 logits only when a batch samples on the host side (`sampling_logits`).
+        head_dtype = parts.model.lm_head.weight.dtype
+        if head_dtype == torch.float32:
+            self.head_out = self.logits
+        else:
+            self.head_out = torch.zeros((max_b, vocab_size), dtype=head_dtype, device=dev)  # [Bmax, V]
+        self._logits_written = False  # whether the last replay wrote fp32 logits into `logits`
         self.sampled = torch.zeros(max_b, dtype=torch.int64, device=dev)  # greedy ids [Bmax]
         # Two of each host buffer, used in turn: a step may be launched before the last one is finished.
         self.host_bufs = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]  # [4 Bmax + 1]
@@ -131,8 +142,11 @@ class DecodeGraphs:
             states, p.block_tables, slots, qsl32, seq_lens.to(torch.int32), positions, max_query_len=1
         )
         hidden = p.model(input_ids, positions, lookback, meta, p.kv_caches)
-        # fp32 [size, V]: the head's output converted into the buffer that host-side sampling reads
-        logits = p.model.compute_logits(hidden, out=self.logits[:size])
+        if controlled or logprobs:
+            # fp32 [size, V]: the head's output converted into the buffer that host-side sampling reads
+            logits = p.model.compute_logits(hidden, out=self.logits[:size])
+        else:  # [size, V] in the model's dtype: the greedy ids need no fp32 copy
+            logits = p.model.compute_head(hidden, out=self.head_out[:size])
         if controlled:  # this row's output so far: its history (positions + 1) less its prompt
             logits.copy_(p.controls.apply(logits, slots, p.controls.num_output(slots, positions + 1)))
         sampled = self.sampled[:size]
@@ -197,8 +211,8 @@ class DecodeGraphs:
         """Stages the rows (one copy) and replays the graph of the next captured size up; returns that size.
         Before `capture` (or on the CPU) the same step runs eagerly instead.
 
-        The sampled greedy ids are then in `sampled[:B]` and appended to the history; logits in
-        `logits[:B]`. Nothing here waits for the device.
+        The sampled greedy ids are then in `sampled[:B]` and appended to the history; fp32 logits in
+        `sampling_logits(B)`. Nothing here waits for the device.
         """
         b = slots.shape[0]
         size = self.size_for(b)
@@ -218,6 +232,7 @@ class DecodeGraphs:
         if controlled and self.parts.controls is None:
             raise ValueError("controlled: these graphs have no logit controls")
         graph = self.graphs.get((size, controlled, logprobs))
+        self._logits_written = controlled or logprobs or self.head_out is self.logits
         if graph is not None:
             graph.replay()
             self.num_replays += 1
@@ -225,6 +240,15 @@ class DecodeGraphs:
             self._step(size, controlled, logprobs)
             self.num_eager_steps += 1
         return size
+
+    def sampling_logits(self, b: int) -> torch.Tensor:  # fp32 [b, V]
+        """The last replay's logits in fp32 (with its logit controls applied, for a controlled variant),
+        for sampling and logprobs on the host side. The plain variant keeps only the head's output in
+        the model's dtype; it is converted here, on the stream after the replay."""
+        if not self._logits_written:
+            self.logits[:b].copy_(self.head_out[:b])
+            self._logits_written = True  # once: the caller may mask them in place
+        return self.logits[:b]
 
     def copy_sampled(self, sampled: torch.Tensor) -> tuple[torch.Tensor, ReadyEvent]:
         """Queues the copy of this step's sampled ids (int64 [B] on the device) to host memory; returns

@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from raystate.kernels import greedy
 from raystate.messages import FAILED_ROW, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,10 +35,10 @@ NONFINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this r
 
 
 def greedy_checked(logits: torch.Tensor) -> torch.Tensor:  # int64 [B]
-    """The argmax of every row of logits [B, V], or FAILED_ROW where the row's maximum is not finite
-    (a NaN anywhere, a +inf, or an all -inf row). One reduction; no host sync (CUDA-graph safe)."""
-    top, ids = torch.max(logits, dim=-1)
-    return torch.where(torch.isfinite(top), ids, FAILED_ROW)
+    """The argmax of every row of logits [B, V] (any float dtype; ties to the lowest id), or FAILED_ROW
+    where the row's maximum is not finite (a NaN anywhere, a +inf, or an all -inf row). No host sync
+    (CUDA-graph safe): `raystate.kernels.greedy` on the GPU, one torch reduction elsewhere."""
+    return greedy.greedy_checked(logits, FAILED_ROW)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

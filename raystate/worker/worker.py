@@ -377,14 +377,14 @@ class Worker:
             sampled = graphs.sampled[:b]  # FAILED_ROW where a row's logits were not finite
         else:  # sample on the host side from the graph's logits; overwrite the appended argmax
             sampled, failures, _ = self._sample_rows(
-                slots, graphs.logits[:b], graphs.sampled[:b], controlled_already=True
+                slots, graphs.sampling_logits(b), graphs.sampled[:b], controlled_already=True
             )
             errors = {rows[i]: why for i, why in failures.items()}
             self._append_history(slots, positions + 1, sampled)
         if controlled:  # the output counts of the penalties, from the ids kept
             self.controls.count(graphs.staged_slots(b), sampled)
         if want_lp:  # the packed rows carry the sampled ids: still one copy back
-            packed = graphs.lp_out[:b] if all_greedy else compute_logprobs(graphs.logits[:b], sampled)
+            packed = graphs.lp_out[:b] if all_greedy else compute_logprobs(graphs.sampling_logits(b), sampled)
             host, ready = graphs.copy_packed(packed)
         else:
             host, ready = graphs.copy_sampled(sampled)

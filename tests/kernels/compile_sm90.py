@@ -98,7 +98,37 @@ def main() -> None:
             "cubin_bytes": len(kernel.asm["cubin"]),
             "pdl": sorted(set(re.findall(r"griddepcontrol\.\w+", kernel.asm["ptx"]))),
         }
+    results.update(other_kernels())
     print(json.dumps(results))
+
+
+def other_kernels() -> dict:
+    """Small kernels of a decode step, launched as programmatic dependents: what their PTX holds."""
+    from raystate.kernels import greedy, norm
+
+    x = torch.empty(64, 2560, dtype=torch.bfloat16)
+    w = torch.empty(2560, dtype=torch.bfloat16)
+    compiled = {
+        "rms_norm": norm._rms_norm_kernel.warmup(
+            x, x, x, x, w, w, 2560, 2560, 2560, 1e-6, 1.0, HAS_RESIDUAL=True, PRE_NORM=True, BLOCK=4096,
+            USE_PDL=True, launch_pdl=True, grid=(64,),
+        ),
+        "greedy chunk max": greedy._chunk_max_kernel.warmup(
+            x, torch.empty(64, 1), torch.empty(64, 1, dtype=torch.int32), 2560, 2560, 1, BLOCK=4096,
+            USE_PDL=True, num_warps=8, launch_pdl=True, grid=(64, 1),
+        ),
+        "greedy row pick": greedy._row_pick_kernel.warmup(
+            torch.empty(64, 1), torch.empty(64, 1, dtype=torch.int32), torch.empty(64, dtype=torch.int64),
+            1, -2, BLOCK_C=1, USE_PDL=True, launch_pdl=True, grid=(64,),
+        ),
+    }  # fmt: skip
+    return {
+        name: {
+            "cubin_bytes": len(k.asm["cubin"]),
+            "pdl": sorted(set(re.findall(r"griddepcontrol\.\w+", k.asm["ptx"]))),
+        }
+        for name, k in compiled.items()
+    }
 
 
 def triton_next_pow2(n: int) -> int:
