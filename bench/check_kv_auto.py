@@ -26,6 +26,19 @@ def in_use_gib() -> tuple[float, float]:
     return (total - free) / 2**30, total / 2**30
 
 
+def settle(baseline_gib: float, timeout_s: float = 30.0) -> None:
+    """Frees this process's cached blocks and waits until the device is back to what was in use before
+    the first run (shutdown returns once the local workers' processes exited; a refused start killed
+    its workers the same way), saying so if it is not."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    deadline = time.monotonic() + timeout_s
+    while (used := in_use_gib()[0]) > baseline_gib + 1.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if used > baseline_gib + 1.0:
+        print(f"  warning: {used:.1f} GiB in use before the next run, {baseline_gib:.1f} at the start")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bench")
@@ -37,7 +50,9 @@ def main() -> None:
     runs = [(share, backend) for share in args.shares for backend in args.backends]
     if "ray2" in args.backends:
         runs.insert(0, (None, "ray2"))
+    baseline, _ = in_use_gib()
     for share, backend in runs:
+        settle(baseline)
         t0 = time.perf_counter()
         shared = backend == "ray2"
         try:
@@ -52,6 +67,7 @@ def main() -> None:
             )
         except Exception as e:  # an oversized share is refused: print the error
             print(f"share {share} {backend}: refused: {e}")
+            print(f"  device in use right after the refusal: {in_use_gib()[0]:.1f} GiB")
             continue
         started_s = time.perf_counter() - t0
         used, total = in_use_gib()
@@ -67,10 +83,8 @@ def main() -> None:
         ran = sum(len(o.token_ids) == 32 for o in outs)
         print(f"  after {args.requests} requests: {ran} ran to 32 tokens; in use {used:.1f} GiB")
         llm.shutdown()
+        print(f"  device in use right after shutdown: {in_use_gib()[0]:.1f} GiB")
         del llm, outs
-        gc.collect()
-        torch.cuda.empty_cache()
-        time.sleep(2)  # a Ray worker's memory goes back when its process ends
 
 
 if __name__ == "__main__":

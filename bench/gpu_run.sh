@@ -51,7 +51,7 @@ for part in $parts; do
     decode_small)  # issue 17: batch 1 and 8 at 4k context, split-KV decode attention on and off
       for b in 1 8; do
         timeout 200 python3 bench/bench_decode.py --batch $b --context 4096 --steps 48 \
-          --configs "graphs + async,graphs + async + no split-KV" 2>&1 \
+          --configs "${SMALL_CONFIGS:-graphs + async,graphs + async + no split-KV}" 2>&1 \
           | tee "$OUT/decode_b$b.log" | grep decode
       done ;;
     logprobs)  # issue 16: what logprobs (sampled + top 5) add to a batch-64 decode step

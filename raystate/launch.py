@@ -279,11 +279,50 @@ def stop(name: str, placement_group: PlacementGroup | None = None, timeout_s: fl
     kill(scheduler, workers, placement_group)
 
 
-def kill(scheduler, workers: list, pg: PlacementGroup | None) -> None:
-    """Kills these actors and frees the bundles; what is already gone is skipped."""
+# How long `kill` waits for the killed workers' processes on this node to exit.
+KILL_WAIT_S = 20.0
+
+
+def kill(scheduler, workers: list, pg: PlacementGroup | None, wait_s: float = KILL_WAIT_S) -> None:
+    """Kills these actors and frees the bundles; what is already gone is skipped. Returns once the
+    workers' processes on this node have exited (at most `wait_s`): Ray reports an actor dead before its
+    process is gone, and until then its GPU memory is held, so an engine started right after on the same
+    GPU (a script's next `LLM(...)`, a retry with a smaller share) would find it taken."""
+    local_pids = _local_pids(workers)
     for handle in [h for h in (scheduler, *workers) if h is not None]:
         with contextlib.suppress(Exception):  # already gone
             ray.kill(handle)
     if pg is not None:
         with contextlib.suppress(Exception):
             remove_placement_group(pg)
+    deadline = time.monotonic() + wait_s
+    while local_pids and time.monotonic() < deadline:
+        local_pids = [pid for pid in local_pids if _process_exists(pid)]
+        if local_pids:
+            time.sleep(0.01)
+
+
+def _local_pids(workers: list, timeout_s: float = 2.0) -> list[int]:
+    """The process ids of the workers (those still answering) that run on this node."""
+    refs = [w.where.remote() for w in workers if w is not None]
+    if not refs:
+        return []
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    node = ray.get_runtime_context().get_node_id()
+    pids = []
+    for ref in ready:
+        with contextlib.suppress(Exception):  # died, or died starting
+            where = ray.get(ref)
+            if where["node_id"] == node and where["pid"] != os.getpid():
+                pids.append(where["pid"])
+    return pids
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
