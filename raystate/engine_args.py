@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 import typing
 from dataclasses import dataclass, field
@@ -115,8 +116,10 @@ def _knob(default: Any, help: str) -> Any:
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """The knobs a user sets, flat, with the defaults every front end shares. No checks here: the configs
-    `build_engine_config` builds check every value (errors name the field and the limit)."""
+    """The knobs a user sets, flat, with the defaults every front end shares. Only each value's type is
+    checked here (`LLM(max_num_seqs="8")` is an error naming the field, not a TypeError from a range check
+    deep inside); the configs `build_engine_config` builds check every range (errors name the field and
+    the limit)."""
 
     model: str = _knob(
         "tiny",
@@ -154,6 +157,41 @@ class EngineArgs:
     long_prefill_token_threshold: int = _knob(
         0, "when > 0, the most tokens one prefill chunk takes (so long prompts don't starve decodes)"
     )
+
+    def __post_init__(self) -> None:
+        for knob in knobs():
+            _check_type(knob, getattr(self, knob.name))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """EngineArgs from keyword arguments, an unknown name refused with the list of knobs (rather than
+        dataclasses' TypeError)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for name in kwargs:
+            if name not in names:
+                raise InvalidRequest(name, f"an engine knob ({', '.join(sorted(names))})", name)
+        return cls(**kwargs)
+
+
+def _check_type(knob: Knob, value: Any) -> None:
+    """`value` is of the knob's type: None where the knob allows it, a bool for bool knobs, an integer
+    (never a bool) for int knobs, any real number (never a bool) for float knobs, a str for str knobs."""
+    if value is None and type(None) in typing.get_args(knob.annotation):
+        return
+    want = knob.value_type
+    if want is bool:
+        ok = isinstance(value, bool)
+    elif want is int:
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    elif want is float:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, want)
+    if not ok:
+        allowed = (
+            f"{want.__name__} or None" if type(None) in typing.get_args(knob.annotation) else want.__name__
+        )
+        raise InvalidRequest(knob.name, f"of type {allowed}", value)
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ class LLM:
         splits a per-shard byte budget (see `raystate.kv_layout.plan_group_blocks`); `share_replay`:
         requests admitted in one step with the same replayed prefix hit rebuild its sliding window once
         (`raystate.scheduler.kv_manager`)."""
-        args = EngineArgs(model=model, **engine_args)
+        args = EngineArgs.from_kwargs(model=model, **engine_args)
         resolved = resolve_model(args.model)
         self.config = build_engine_config(args, resolved)
         self.text = load_model_text(resolved, model)

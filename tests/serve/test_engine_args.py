@@ -93,3 +93,39 @@ def test_backend_is_ray_or_inprocess():
     assert AppArgs(backend="inprocess").backend == "inprocess"
     with pytest.raises(ValueError, match="inprocess"):
         AppArgs(backend="local")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "limit"),
+    [
+        ("max_num_seqs", "8", "of type int"),
+        ("max_num_seqs", 8.0, "of type int"),
+        ("max_num_seqs", True, "of type int"),
+        ("num_blocks", "x", "of type int or None"),
+        ("gpu_memory_utilization", "0.5", "of type float or None"),
+        ("cuda_graphs", 1, "of type bool"),
+        ("device", 0, "of type str"),
+    ],
+)
+def test_a_knob_of_the_wrong_type_names_the_field_through_the_python_api(field, value, limit):
+    # The Python API has no schema in front of it (the CLI's flags and the Serve args type-check first):
+    # a wrong type is refused by name, not a TypeError from a range check.
+    with pytest.raises(InvalidRequest, match=limit) as err:
+        EngineArgs.from_kwargs(**{field: value})
+    assert err.value.field == field
+
+
+def test_the_python_api_takes_numbers_of_any_integral_or_real_type():
+    import numpy as np
+
+    args = EngineArgs.from_kwargs(
+        max_num_seqs=np.int64(8), gpu_memory_utilization=1, num_blocks=None, device="cuda"
+    )
+    config = build_engine_config(args)  # nothing is allocated: the device is not touched
+    assert config.scheduler.max_num_seqs == 8 and config.cache.gpu_memory_utilization == 1
+
+
+def test_an_unknown_knob_is_refused_with_the_list_of_knobs():
+    with pytest.raises(InvalidRequest, match="an engine knob .*max_num_seqs") as err:
+        EngineArgs.from_kwargs(max_num_seq=8)
+    assert err.value.field == "max_num_seq"
