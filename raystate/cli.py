@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from raystate.engine_args import BACKENDS, EngineArgs, build_engine_config, knobs
+from raystate.serve.tool_calls import TOOL_CALL_PARSERS
 
 DEFAULT_PROMPTS = [
     "The sliding window keeps",
@@ -269,6 +270,7 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_grace_s=args.shutdown_grace_s,
         direct_http_port=args.port if direct else None,
         direct_http_host=args.host,
+        tool_call_parser=args.tool_call_parser,
         **({"cors_allow_methods": _words(args.cors_method)} if args.cors_method else {}),
         **({"cors_allow_headers": _words(args.cors_header)} if args.cors_header else {}),
     )
@@ -489,6 +491,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--api-key", help="require this bearer key on every route but /health (default: $RAYSTATE_API_KEY)"
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "none", *TOOL_CALL_PARSERS],
+        help="how the model writes tool calls, for tool_choice auto (default: auto, the format its chat "
+        "template writes if known; hermes: <tool_call> blocks, as Qwen2.5, Qwen3 and Hermes write them)",
     )
     s.add_argument("--address", help="a running Ray cluster (default: start a local one, stopped on exit)")
     s.add_argument(

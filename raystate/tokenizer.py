@@ -6,6 +6,7 @@ ids match `raystate.config` (bytes 0..255, BOS 256, EOS 257, PAD 258).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 from raystate.config import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, NUM_BYTES, PAD_ID
@@ -72,18 +73,26 @@ class ByteTokenizer:
             raise InvalidRequest("token id", f"in [0, {BYTE_VOCAB_SIZE})", tok)
         return _SPECIAL_TEXT[tok]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Plain text: "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n" to prompt a reply."""
-        out = []
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """Plain text: "<|tools|>\\n" and the tools as one JSON line first when there are any, then
+        "<|role|>\\ncontent\\n" per message (an assistant turn's tool calls after its content, one JSON
+        object a line), then "<|assistant|>\\n" to prompt a reply."""
+        out = [f"<|tools|>\n{json.dumps(tools, ensure_ascii=False)}\n"] if tools else []
         for i, msg in enumerate(messages):
             role, content = msg.get("role"), msg.get("content")
             if isinstance(content, list):  # OpenAI content parts: keep the text ones
                 content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
             if role not in ("system", "user", "assistant", "tool"):
                 raise InvalidRequest(f"messages[{i}].role", "one of system, user, assistant, tool", role)
+            calls = msg.get("tool_calls") or []
+            if content is None and calls:
+                content = ""
             if not isinstance(content, str):
                 raise InvalidRequest(f"messages[{i}].content", "a string", content)
             out.append(f"<|{role}|>\n{content}\n")
+            out += [f"{json.dumps(c.get('function', c), ensure_ascii=False)}\n" for c in calls]
         if add_generation_prompt:
             out.append("<|assistant|>\n")
         return "".join(out)

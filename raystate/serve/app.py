@@ -19,7 +19,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, create_model
 from ray import serve
@@ -36,6 +36,7 @@ from raystate.serve.ingress import (
     create_api,
 )
 from raystate.serve.server import DRAIN_CUT_MARGIN_S, RaystateServer
+from raystate.serve.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,10 @@ class AppArgs(_EngineFields):
     # The id clients send as `model` and responses carry; default: the `model` word as given (a named
     # model, a checkpoint folder or a hub id).
     served_model_name: str | None = None
+    # How the model writes tool calls in free text, for tool_choice "auto": "auto", the format its chat
+    # template writes if raystate knows it; "hermes" (<tool_call> blocks: Qwen2.5, Qwen3, Hermes); "none":
+    # tool_choice "auto" is refused (forced calls, through the grammar, still work).
+    tool_call_parser: Literal["auto", "none", *TOOL_CALL_PARSERS] = "auto"
     backend: Backend = "ray"
     cluster_name: str = "raystate"  # the Ray backend's cluster: connected to if it runs, else started
     num_shards: int = Field(1, ge=1)
@@ -217,6 +222,7 @@ class OpenAIIngress:
         max_body_bytes: int,
         http_guards: dict[str, Any] | None = None,
         direct_http: tuple[str, int] | None = None,
+        tool_call_parser: str = "auto",
     ) -> None:
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         if require_api_key and not api_key:
@@ -225,7 +231,8 @@ class OpenAIIngress:
         client = await asyncio.to_thread(client_factory)
         if inspect.isawaitable(client):
             client = await client
-        self._server = RaystateServer(client, model_name)
+        parser = None if tool_call_parser == "none" else tool_call_parser
+        self._server = RaystateServer(client, model_name, tool_call_parser=parser)
         self._api_key = api_key
         self._max_body_bytes = max_body_bytes
         self._http_guards = dict(http_guards or {})
@@ -327,4 +334,5 @@ def make_app(args: dict[str, Any] | AppArgs | None = None, client_factory: Clien
         opts.max_body_bytes,
         http_guards,
         None if opts.direct_http_port is None else (opts.direct_http_host, opts.direct_http_port),
+        opts.tool_call_parser,
     )

@@ -18,7 +18,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -56,6 +56,9 @@ class Prepared:
     created: int = field(default_factory=lambda: int(time.time()))
     # max_tokens 0 with echo: each choice runs for one token that is dropped
     prompt_only: bool = False
+    # A chat with tools: makes each choice's `raystate.serve.tool_calls.ToolCallStream`, which turns its
+    # text into content and tool calls; None: the text is the content.
+    tool_stream: Callable[[], Any] | None = None
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -5,7 +5,7 @@ Unknown request fields are ignored, as vLLM ignores them (OpenAI's SDKs send fie
 logs one warning per request naming them. Fields whose JSON type is a union (`prompt`, `stop`, message
 `content`, `tool_choice`) are checked by our own validators, so that a validation error's location is
 always the field's own name (`prompt`, `messages[0].role`) and never a pydantic union tag. Parameters
-raystate does not implement (`_NEUTRAL_ONLY`: `suffix`, `tools`, ...) are accepted only at their
+raystate does not implement (`_NEUTRAL_ONLY`: `suffix`) are accepted only at their
 neutral value (and `best_of` only equal to `n`), so a client that relies on them gets a 400 naming the field
 instead of a quietly different answer.
 
@@ -271,12 +271,6 @@ def _unset(v: Any) -> bool:
 # never checked); `_neutral_only` checks the value after pydantic has checked its type.
 _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_unset, "suffix is not supported"),
-    "tools": (_unset, "tools are not supported"),
-    # Typed Any, so pydantic's check (on a `str | dict` union it would name the union's members) never runs.
-    "tool_choice": (
-        lambda v: v is None or (isinstance(v, str) and v in ("none", "auto")),
-        "tools are not supported (tool_choice may only be 'none' or 'auto')",
-    ),
 }
 
 
@@ -428,11 +422,69 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
+MAX_TOOLS = 128  # tools of one request (OpenAI's limit)
+MAX_TOOL_CALLS = 128  # tool_calls of one assistant message
+MAX_TOOL_CALL_ID_CHARS = 256
+MAX_TOOL_ARGUMENTS_CHARS = 1 << 16
+# A function's name: OpenAI's rule (letters, digits, underscores and dashes, at most 64).
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(_Request):
+    """A function the model may call: its name, what it does, and its arguments' JSON Schema."""
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted; a called function's arguments always follow the grammar
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+def template_tools(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
+    """The request's tools as a chat template reads them (transformers' `tools`): the OpenAI definitions
+    with their unset fields left out."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+class ToolCallFunction(_Request):
+    name: str = Field(max_length=MAX_SCHEMA_NAME_CHARS)
+    arguments: str = Field("", max_length=MAX_TOOL_ARGUMENTS_CHARS)  # JSON text, as the model wrote it
+
+
+class MessageToolCall(_Request):
+    """A call an earlier assistant turn made (sent back with the tool's answer in a later request)."""
+
+    id: str = Field(max_length=MAX_TOOL_CALL_ID_CHARS)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     # `developer`: OpenAI's newer name for `system` (given to the chat template as it is; see ModelText)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None
     name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS)  # assistant turns
+    tool_call_id: str | None = Field(None, max_length=MAX_TOOL_CALL_ID_CHARS)  # tool turns: the call answered
+
+    def template_fields(self) -> dict[str, Any]:
+        """The message as a chat template reads it: the known fields that are set, and each tool call's
+        arguments as the object they encode (templates write them with `tojson`, as transformers expects
+        them; arguments that are not a JSON object stay text)."""
+        message = self.known_fields(exclude_none=True)
+        for call in message.get("tool_calls", ()):
+            function = call["function"]
+            try:
+                arguments = json.loads(function["arguments"])
+            except ValueError:
+                continue
+            if isinstance(arguments, dict):
+                function["arguments"] = arguments
+        return message
 
     @field_validator("content", mode="before")
     @classmethod
@@ -457,8 +509,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # with logprobs: true only
-    tools: list[dict] | None = None
-    tool_choice: Any = None  # "none", "auto" or absent: checked against _NEUTRAL_ONLY
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}; absent: "auto" with
+    # tools, else "none". Typed Any and checked by _tool_choice, so that an error names the field itself.
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
     # chat template controls (vLLM's extensions, spelt as vLLM spells them)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -468,6 +523,30 @@ class ChatCompletionRequest(_SamplingFields):
     @classmethod
     def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         return check_template_kwargs(v)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        function = v.get("function") if isinstance(v, dict) and v.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if isinstance(name, str) and re.match(FUNCTION_NAME, name):
+            return {"type": "function", "function": {"name": name}}
+        raise ValueError(
+            'must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}'
+        )
+
+    @property
+    def tool_mode(self) -> str | tuple[str, str]:
+        """The tool choice in effect: "none", "auto", "required" or ("function", name) (OpenAI's default:
+        "auto" when tools are given, else "none")."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(choice, dict):
+            return ("function", choice["function"]["name"])
+        return choice
 
     @property
     def output_limit(self) -> int | None:
@@ -501,6 +580,7 @@ class TokenizeChatRequest(_Request):
     continue_final_message: bool = False
     add_special_tokens: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)  # rendered as the chat route does
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -573,9 +653,23 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    """One call the model made: `function.arguments` is JSON text."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the turn is tool calls only
+    tool_calls: list[ToolCallOut] | None = None  # absent from the JSON when None
 
 
 class TopLogprob(BaseModel):
@@ -609,9 +703,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallFunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCallDeltaOut(BaseModel):
+    """A streamed piece of call `index`: its first piece has the id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallFunctionDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None  # absent from the JSON when None
 
 
 class ChatChunkChoice(BaseModel):
@@ -694,6 +803,15 @@ def dump_response(payload: BaseModel, keep_token_ids: bool) -> dict:
     for choice in data.get("choices", []):
         if not keep_token_ids or choice.get("token_ids") is None:
             choice.pop("token_ids", None)
+        for part in (choice.get("message"), choice.get("delta")):
+            if part is not None and part.get("tool_calls") is None:
+                part.pop("tool_calls", None)
+            for call in (part or {}).get("tool_calls") or ():
+                for key in ("id", "type"):  # a call's later pieces carry only index and arguments
+                    if call.get(key) is None:
+                        call.pop(key, None)
+                if call["function"].get("name") is None:
+                    call["function"].pop("name", None)
     if "usage" in data and data["usage"] is None:
         del data["usage"]
     return data

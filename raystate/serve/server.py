@@ -35,6 +35,7 @@ from raystate.client import Client
 from raystate.errors import EngineDead, InvalidRequest, RequestFailed
 from raystate.grammar import check_schema
 from raystate.messages import MAX_JSON_SCHEMA_CHARS, SamplingParams, unpack_logprobs
+from raystate.serve import tool_calls
 from raystate.serve.generation import (
     EventStream,
     Generation,
@@ -63,16 +64,21 @@ from raystate.serve.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    FunctionCallOut,
     ModelCard,
     ModelList,
     ResponseFormat,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    ToolCallDeltaOut,
+    ToolCallFunctionDelta,
+    ToolCallOut,
     TopLogprob,
     VersionResponse,
     dump_response,
     error_body,
+    template_tools,
 )
 from raystate.serve.text import ModelText, model_text_for_config
 
@@ -143,6 +149,19 @@ def _structured(fmt: ResponseFormat | None) -> dict[str, Any]:
     return {"json_schema": schema}
 
 
+def _tool_call_deltas(deltas: list[tool_calls.ToolCallDelta]) -> list[ToolCallDeltaOut] | None:
+    out = [
+        ToolCallDeltaOut(
+            index=d.index,
+            id=d.id,
+            type="function" if d.id is not None else None,
+            function=ToolCallFunctionDelta(name=d.name, arguments=d.arguments),
+        )
+        for d in deltas
+    ]
+    return out or None
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias (token ids as JSON string keys) as SamplingParams takes it; the ranges are
     SamplingParams.validate's."""
@@ -179,15 +198,19 @@ _COMPLETIONS = _Shape(
 _CHAT = _Shape(
     ChatCompletionResponse,
     ChatCompletionChunk,
-    choice=lambda index, text, reason, ids, logprobs=None: ChatChoice(
+    choice=lambda index, text, reason, ids, logprobs=None, tool_calls=None: ChatChoice(
         index=index,
-        message=AssistantMessage(content=text),
+        message=AssistantMessage(content=text, tool_calls=tool_calls),
         finish_reason=reason,
         token_ids=ids,
         logprobs=logprobs,
     ),
-    delta=lambda index, text, reason, ids, logprobs=None: ChatChunkChoice(
-        index=index, delta=ChatDelta(content=text), finish_reason=reason, token_ids=ids, logprobs=logprobs
+    delta=lambda index, text, reason, ids, logprobs=None, tool_calls=None: ChatChunkChoice(
+        index=index,
+        delta=ChatDelta(content=text, tool_calls=tool_calls),
+        finish_reason=reason,
+        token_ids=ids,
+        logprobs=logprobs,
     ),
     opening=lambda index: ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")),
 )
@@ -204,10 +227,13 @@ class RaystateServer:
         model_name: str | None = None,
         metrics: ServeMetrics | None = None,
         text: ModelText | None = None,
+        tool_call_parser: str | None = "auto",
     ) -> None:
         """`model_name`: the id clients send as `model` and responses carry (default: the model's name).
         `text`: the model's tokenizer and generation defaults (default: those of the model
-        `client.config` runs, `model_text_for_config`)."""
+        `client.config` runs, `model_text_for_config`). `tool_call_parser`: how the model's free text
+        writes tool calls, for tool_choice "auto" (`raystate.serve.tool_calls.TOOL_CALL_PARSERS`); "auto":
+        the format its chat template writes, if raystate knows it; None: tool_choice "auto" is refused."""
         self.client = client
         config = client.config
         self.model_name = model_name or config.model.name
@@ -217,6 +243,15 @@ class RaystateServer:
         self.tokenizer = self.text.tokenizer
         # generation_config.json's sampling fields, for requests that leave them out
         self.sampling_defaults = self.text.sampling_defaults()
+        if tool_call_parser == "auto":
+            tool_call_parser = tool_calls.parser_for_template(self.text.chat_template_source())
+        elif tool_call_parser is not None and tool_call_parser not in tool_calls.TOOL_CALL_PARSERS:
+            raise InvalidRequest(
+                "tool_call_parser",
+                f"auto or one of {', '.join(tool_calls.TOOL_CALL_PARSERS)}",
+                tool_call_parser,
+            )
+        self.tool_call_parser = tool_call_parser
         self.metrics = metrics or ServeMetrics()
         self.metrics.model_name = self.metrics.model_name or self.model_name  # vLLM series' label
         self._aborts: set[asyncio.Task] = set()
@@ -248,10 +283,14 @@ class RaystateServer:
     ) -> list[int]:
         """The conversation's prompt ids through the model's chat template (ModelText.chat_prompt), with
         the request's template controls; the tokenizer's errors named after `messages`."""
-        messages = [m.known_fields(exclude_none=True) for m in req.messages]
+        messages = [m.template_fields() for m in req.messages]
         if not self.text.is_hf:
             for m in messages:
                 m.setdefault("content", None)
+        tools = None
+        # tool_choice "none": the model is not shown the tools (/tokenize has no tool_choice: shown)
+        if req.tools and getattr(req, "tool_mode", "auto") != "none":
+            tools = template_tools(req.tools)
         try:
             _, ids = self.text.chat_prompt(
                 messages,
@@ -259,6 +298,7 @@ class RaystateServer:
                 continue_final_message=req.continue_final_message,
                 template_kwargs=req.chat_template_kwargs,
                 add_special_tokens=add_special_tokens,
+                tools=tools,
             )
         except InvalidRequest as e:
             if e.field in ("messages", "chat_template", "continue_final_message") or e.field.startswith(
@@ -275,6 +315,7 @@ class RaystateServer:
         n_prompt: int,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        structured: dict[str, Any] | None = None,
     ) -> SamplingParams:
         """Where a field is absent: the checkpoint's generation_config.json value if it sets one, else
         OpenAI's default (temperature 1, top_p 1, top_k off). max_tokens: what fits, or less where the
@@ -303,7 +344,7 @@ class RaystateServer:
             logit_bias=_logit_bias(req.logit_bias),
             min_p=req.min_p if req.min_p is not None else defaults.get("min_p", 0.0),
             min_tokens=req.min_tokens or 0,
-            **_structured(req.response_format),
+            **(structured if structured is not None else _structured(req.response_format)),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             n=req.num_choices,
@@ -377,9 +418,14 @@ class RaystateServer:
             )
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("top_logprobs", "set only with logprobs: true", req.top_logprobs)
+        structured, tool_stream = self._tool_calling(req)
         try:
             sampling = self._sampling(
-                req, req.output_limit, len(ids), logprobs=(req.top_logprobs or 0) if req.logprobs else None
+                req,
+                req.output_limit,
+                len(ids),
+                logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                structured=structured,
             )
         except InvalidRequest as e:
             if e.field != "max_tokens":
@@ -392,7 +438,58 @@ class RaystateServer:
             stop=req.stop,
             return_token_ids=bool(req.return_token_ids),
             include_usage=req.include_usage,
+            tool_stream=tool_stream,
         )
+
+    def _tool_calling(self, req: ChatCompletionRequest) -> tuple[dict[str, Any] | None, Callable | None]:
+        """(the structured output that holds the model to a call, or None; the factory of each choice's
+        ToolCallStream, or None) for the request's tool_choice. A forced call ("required", a named
+        function) is generated through the grammar: the named function's arguments, or an array of
+        {name, parameters} objects; "auto" lets the model write calls in its own format, which the
+        server's tool_call_parser reads."""
+        mode = req.tool_mode
+        functions = [t.function.model_dump(exclude_none=True) for t in req.tools or ()]
+        if mode == "none" or (mode == "auto" and not functions):
+            return None, None
+        if not functions:
+            raise InvalidRequest(
+                "tool_choice", "'none' or 'auto' when the request has no tools", req.tool_choice
+            )
+        names = [f["name"] for f in functions]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise InvalidRequest("tools", "functions of distinct names", dup)
+        if mode == "auto":
+            if self.tool_call_parser is None:
+                raise InvalidRequest(
+                    "tool_choice",
+                    "'none', 'required' or a named function: this model's chat template writes tool calls in "
+                    "no format raystate reads (start the server with --tool-call-parser to name one)",
+                    "auto",
+                )
+            parser = self.tool_call_parser
+            return None, lambda: tool_calls.make_stream(mode, functions, parser)
+        if req.response_format is not None and req.response_format.type != "text":
+            raise InvalidRequest(
+                "response_format", "text (or unset) when tool_choice forces a call", req.response_format.type
+            )
+        if isinstance(mode, tuple):
+            if mode[1] not in names:
+                raise InvalidRequest(
+                    "tool_choice.function.name", f"the name of one of the tools ({', '.join(names)})", mode[1]
+                )
+            i = names.index(mode[1])
+            schema, where = tool_calls.named_schema(functions[i]), f"tools[{i}].function.parameters"
+        else:
+            schema = tool_calls.required_schema(functions, parallel=req.parallel_tool_calls is not False)
+            where = "tools"
+        text = json.dumps(schema, separators=(",", ":"))
+        if len(text) > MAX_JSON_SCHEMA_CHARS:
+            raise InvalidRequest(where, f"schemas of at most {MAX_JSON_SCHEMA_CHARS} characters", len(text))
+        why = check_schema(text)
+        if why is not None:
+            raise InvalidRequest(where, "JSON Schemas the grammar supports", why)
+        return {"json_schema": text}, lambda: tool_calls.make_stream(mode, functions, None)
 
     async def _start(self, prep: Prepared) -> list[Generation]:
         """Submits every choice of every prompt in one `generate_group` call (so that a prompt's later
@@ -461,7 +558,20 @@ class RaystateServer:
                     prep, gen, out_ids, bytes(gen.logprobs), gen.prompt_logprobs, True, 0
                 )
             ids = gen.token_ids if prep.return_token_ids else None
-            choices.append(shape.choice(gen.index, text, reason, ids, logprobs))
+            if prep.tool_stream is None:
+                choices.append(shape.choice(gen.index, text, reason, ids, logprobs))
+                continue
+            calls = prep.tool_stream()
+            content, _ = calls.feed(text)
+            content += calls.finish()[0]
+            made = [
+                ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                for c in calls.calls
+            ]
+            if made and not content.strip():
+                content = None  # a turn of calls only: content null, as OpenAI sends it
+            reason = tool_calls.finish_reason(calls, reason)
+            choices.append(shape.choice(gen.index, content, reason, ids, logprobs, tool_calls=made or None))
         return shape.response(
             id=prep.request_id,
             created=prep.created,
@@ -482,6 +592,7 @@ class RaystateServer:
                 for gen in gens:
                     yield _sse(shape.chunk(**head, choices=[shape.opening(gen.index)]), False)
             offsets: dict[int, int] = {}  # per choice index: text offset after its chunks so far (logprobs)
+            streams: dict[int, Any] = {}  # per choice index: its ToolCallStream (a chat with tools)
             async with contextlib.aclosing(merged_deltas(gens)) as deltas:
                 async for gen, d in deltas:
                     text, reason, out_ids = d.text, d.finish_reason, d.token_ids
@@ -498,7 +609,22 @@ class RaystateServer:
                             prep, gen, out_ids, d.logprobs, d.prompt_logprobs, first, offset
                         )
                     offsets[gen.index] = offset
-                    choice = shape.delta(gen.index, text, reason, d.token_ids, logprobs)
+                    if prep.tool_stream is None:
+                        choice = shape.delta(gen.index, text, reason, d.token_ids, logprobs)
+                    else:
+                        if gen.index not in streams:
+                            streams[gen.index] = prep.tool_stream()
+                        calls = streams[gen.index]
+                        text, made = calls.feed(text)
+                        if reason is not None:
+                            more_text, more_made = calls.finish()
+                            text, made = text + more_text, made + more_made
+                            reason = tool_calls.finish_reason(calls, reason)
+                        deltas = _tool_call_deltas(made)
+                        content = None if deltas and not text else text
+                        choice = shape.delta(
+                            gen.index, content, reason, d.token_ids, logprobs, tool_calls=deltas
+                        )
                     yield _sse(shape.chunk(**head, choices=[choice]), prep.return_token_ids)
         except Exception as e:  # the headers are sent: an error event, never a cut connection
             yield _stream_error(e)

@@ -85,6 +85,7 @@ class ModelText:
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
         add_special_tokens: bool | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
         """(prompt text, prompt ids) of one conversation.
 
@@ -95,7 +96,8 @@ class ModelText:
         InvalidRequest naming `messages`). A byte model: its plain template (a `developer` message
         rendered as a `system` one; no template variables; continuing the final message drops the
         newline that closes it), then BOS + the text's bytes. `add_special_tokens` True or False
-        overrides the encoding's special tokens (/tokenize's option)."""
+        overrides the encoding's special tokens (/tokenize's option). `tools`: OpenAI tool definitions,
+        given to the template as transformers' `tools` (a byte model lists them as JSON first)."""
         if not messages:
             raise InvalidRequest("messages", "at least one message", [])
         if continue_final_message and add_generation_prompt:
@@ -107,7 +109,9 @@ class ModelText:
             for m in chat:
                 if m.get("role") == "developer":
                     m["role"] = "system"
-            text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                chat, add_generation_prompt=add_generation_prompt, tools=list(tools) if tools else None
+            )
             if continue_final_message:
                 text = text.removesuffix("\n")
             return text, self.tokenizer.encode(text, add_bos=add_special_tokens is not False)
@@ -117,9 +121,18 @@ class ModelText:
             messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=list(tools) if tools else None,
             **dict(template_kwargs or {}),
         )
         return text, self.tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
+
+    def chat_template_source(self) -> str | None:
+        """The chat template's text (every named template of a checkpoint that has several, joined), to
+        recognise the tool-call format it writes; None for a byte model or a checkpoint without one."""
+        templates = getattr(self.tokenizer, "chat_template", None) if self.is_hf else None
+        if isinstance(templates, Mapping):
+            return "\n".join(templates.values())
+        return templates
 
     # -- outputs -------------------------------------------------------------------------------------
 

@@ -147,3 +147,80 @@ def test_environment_features():
         render_chat_template("{{ messages.__class__.__mro__ }}", msgs)
     with pytest.raises(ChatTemplateError):  # immutable: no in-place list changes
         render_chat_template("{{ messages.append(1) }}", msgs)
+
+
+# A Qwen-style template: tools in the system turn, calls as <tool_call> blocks, tool answers as user turns.
+HERMES_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" %}<|im_start|>assistant
+{%- if message.content %}
+{{ message.content }}
+{%- endif %}
+{%- for tool_call in message.tool_calls or [] %}
+{%- set call = tool_call.function if tool_call.function else tool_call %}
+{%- set args = call.arguments | tojson if call.arguments is not string else call.arguments %}
+<tool_call>
+{"name": "{{ call.name }}", "arguments": {{ args }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_tool_conversation_from_the_api_renders_as_transformers_renders_it(checkpoints, tmp_path):
+    """The chat route's messages (arguments as the JSON text OpenAI clients send) reach the template as
+    transformers expects them (arguments as an object), and the template's <tool_call> format is
+    recognised for tool_choice "auto"."""
+    from raystate.serve.protocol import ChatCompletionRequest, template_tools
+    from raystate.serve.text import ModelText
+    from raystate.serve.tool_calls import parser_for_template
+
+    folder = tmp_path / "hermes"
+    shutil.copytree(checkpoints["chatml"], folder)
+    (folder / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather"}}
+    request = ChatCompletionRequest(
+        messages=[
+            {"role": "user", "content": "Weather in Zürich?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [call | {"function": call["function"] | {"arguments": '{"city": "Zürich"}'}}],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+        ],  # fmt: skip
+        tools=[WEATHER_TOOL],
+    )
+    text = ModelText(HFTokenizer.from_pretrained(folder), is_hf=True, name="hermes")
+    got, _ = text.chat_prompt(
+        [m.template_fields() for m in request.messages], tools=template_tools(request.tools)
+    )
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    messages = [
+        {"role": "user", "content": "Weather in Zürich?"},
+        {
+            "role": "assistant",
+            "tool_calls": [call | {"function": call["function"] | {"arguments": {"city": "Zürich"}}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]
+    want = hf.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True)
+    assert got == want
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>' in got
+    assert parser_for_template(text.chat_template_source()) == "hermes"

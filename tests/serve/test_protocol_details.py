@@ -34,7 +34,7 @@ SDK_EXTRAS = {
     "store": False,
     "metadata": {"k": "v"},
     "service_tier": "auto",
-    "parallel_tool_calls": False,
+    "modalities": ["text"],
     "prediction": None,
 }
 
@@ -84,7 +84,7 @@ def test_request_without_unknown_fields_logs_no_warning(app, caplog):
         ("/v1/completions", {"logprobs": 21}, "logprobs"),  # supported, up to 20
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format.type"),
-        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools[0].function"),
         ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ],
 )

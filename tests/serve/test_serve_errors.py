@@ -52,7 +52,7 @@ BAD_CHATS = [
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
     ({"temperature": "hot"}, "temperature"),
 ]
 
