@@ -15,6 +15,8 @@ One exception, for invalid UTF-8 only: `ByteFallback` (SentencePiece-style `<0xN
 of byte tokens all or nothing, so a run that starts with whole characters and then turns invalid decodes
 to one U+FFFD per byte in `decode(all_ids)`, while the stream has already sent the whole characters. Valid
 text, and byte-level BPE (decoded lossily byte by byte) in every case, end equal to `decode(all_ids)`.
+Ids are taken one at a time however they arrive, so a stream's text depends on its ids alone, never on
+how they were grouped into updates.
 
 `HFTextStream` is serve's `raystate.serve.detokenize.TextStream` with this detokenizer as its decoder:
 the same stop-string rule (a tail that could still grow into a stop string is held back, the text is cut
@@ -79,10 +81,19 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Iterable[int], final: bool = False) -> str:
         """Takes the new ids; returns the text that is now complete ("" while a character is unfinished).
-        After `final=True` nothing more is taken."""
+        After `final=True` nothing more is taken. The ids are taken one at a time, so the text does not
+        depend on how a request's tokens were grouped into updates (which follows the server's load: a
+        byte-fallback run pushed at once could decode to U+FFFD where pushed token by token it gave whole
+        characters)."""
         if self.finished:
             return ""
         new = [int(t) for t in token_ids]
+        if len(new) > 1:
+            last = len(new) - 1
+            return "".join(self._step([t], final and i == last) for i, t in enumerate(new))
+        return self._step(new, final)
+
+    def _step(self, new: list[int], final: bool) -> str:
         self.token_ids.extend(new)
         window = self._decode(self.token_ids[self._start :])
         end = len(window)

@@ -66,6 +66,20 @@ def test_arbitrary_ids_end_equal_to_decode(tokenizers_, name, skip):
             assert ts.text == whole, ids
 
 
+@pytest.mark.parametrize("name", ["chatml", "llama3", "spm"])
+def test_the_text_does_not_depend_on_how_the_ids_are_grouped(tokenizers_, name):
+    """How many tokens an update carries follows the server's load; the text must not (a byte-fallback
+    run pushed at once once decoded to U+FFFD where token by token it gave whole characters)."""
+    tok = tokenizers_[name]
+    rng = random.Random(2)
+    for _ in range(150):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 30))]
+        one_by_one, _ = _stream(tok, ids, chunk=1)
+        for chunk in (2, 3, 7, len(ids)):
+            deltas, _ = _stream(tok, ids, chunk=chunk)
+            assert "".join(deltas) == "".join(one_by_one), (ids, chunk)
+
+
 def test_specials_shown_when_asked(tokenizers_):
     tok = tokenizers_["chatml"]
     ids = tok.encode("Hi<|im_end|>", False)
