@@ -182,11 +182,19 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generates a reply to each conversation (one list of `{"role", "content"}` messages, or a list of
         them), rendered with the model's chat template exactly as the OpenAI server renders a
-        /v1/chat/completions request. A template that refuses a conversation, or a model without one,
-        raises InvalidRequest naming `messages`. Each output's `prompt` is the rendered prompt text."""
+        /v1/chat/completions request: `tools` (OpenAI tool definitions, given to the template as
+        transformers' `tools`), `chat_template_kwargs` (template variables such as `enable_thinking`) and
+        `continue_final_message` as the server takes them, as vLLM's `LLM.chat` does. The reply is text:
+        reading tool calls out of it is the server's (`raystate.serve.tool_calls`). A template that refuses
+        a conversation, or a model without one, raises InvalidRequest naming `messages`. Each output's
+        `prompt` is the rendered prompt text."""
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise InvalidRequest("messages", "a conversation or a list of conversations", messages)
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
@@ -194,7 +202,15 @@ class LLM:
         for conversation in conversations:
             if isinstance(conversation, str) or not isinstance(conversation, Sequence):
                 raise InvalidRequest("messages", "lists of message objects", conversation)
-            items.append(self.text.chat_prompt(conversation, add_generation_prompt=add_generation_prompt))
+            items.append(
+                self.text.chat_prompt(
+                    conversation,
+                    add_generation_prompt=add_generation_prompt and not continue_final_message,
+                    continue_final_message=continue_final_message,
+                    template_kwargs=chat_template_kwargs,
+                    tools=tools,
+                )
+            )
         return self._run(items, sampling_params, use_tqdm)
 
     def generate(

@@ -74,6 +74,22 @@ def test_chat_renders_the_template_like_transformers(llm, llama):
     assert bare.prompt == expected
 
 
+def test_chat_takes_tools_and_a_continued_message_like_transformers(llm, llama):
+    tok = transformers.AutoTokenizer.from_pretrained(str(llama))
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}},
+    }
+    (out,) = llm.chat(CHAT, params, use_tqdm=False, tools=[tool])
+    want = tok.apply_chat_template(CHAT, tools=[tool], add_generation_prompt=True, tokenize=False)
+    assert out.prompt == want and '"get_weather"' in want
+    started = [*CHAT, {"role": "assistant", "content": "Bonjour, "}]
+    (cont,) = llm.chat(started, params, use_tqdm=False, continue_final_message=True)
+    assert cont.prompt == tok.apply_chat_template(started, continue_final_message=True, tokenize=False)
+    assert cont.prompt.endswith("Bonjour,")
+
+
 def test_default_sampling_params_are_the_checkpoint_s(llm):
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.max_tokens) == (0.6, 0.9, 0, 5)
