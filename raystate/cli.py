@@ -497,7 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "none", *TOOL_CALL_PARSERS],
         help="how the model writes tool calls, for tool_choice auto (default: auto, the format its chat "
-        "template writes if known; hermes: <tool_call> blocks, as Qwen2.5, Qwen3 and Hermes write them)",
+        "template writes if known; hermes: <tool_call> blocks, as Qwen2.5, Qwen3 and Hermes write them; "
+        "llama3_json: Llama 3.1's bare JSON calls; none: tool_choice auto refused)",
     )
     s.add_argument("--address", help="a running Ray cluster (default: start a local one, stopped on exit)")
     s.add_argument(

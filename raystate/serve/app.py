@@ -73,7 +73,8 @@ class AppArgs(_EngineFields):
     # model, a checkpoint folder or a hub id).
     served_model_name: str | None = None
     # How the model writes tool calls in free text, for tool_choice "auto": "auto", the format its chat
-    # template writes if raystate knows it; "hermes" (<tool_call> blocks: Qwen2.5, Qwen3, Hermes); "none":
+    # template writes if raystate knows it; "hermes" (<tool_call> blocks: Qwen2.5, Qwen3, Hermes);
+    # "llama3_json" (Llama 3.1-3.3's bare JSON calls); "none":
     # tool_choice "auto" is refused (forced calls, through the grammar, still work).
     tool_call_parser: Literal["auto", "none", *TOOL_CALL_PARSERS] = "auto"
     backend: Backend = "ray"

@@ -11,8 +11,9 @@ says, delta by delta, what to send as content and what as call pieces. There are
   object, so every piece of text is arguments of the one call;
 - "required" (`RequiredToolStream`): the grammar holds the output to a JSON array of
   `{"name": ..., "parameters": {...}}` objects (`required_schema`), each element one call;
-- "auto" (`HermesToolStream`): the model writes free text with calls in its own format; the format
-  raystate reads is Hermes' `<tool_call>{...}</tool_call>` blocks (Qwen2.5, Qwen3, Hermes models).
+- "auto": the model writes free text with calls in its own format; raystate reads Hermes'
+  `<tool_call>{...}</tool_call>` blocks (`HermesToolStream`: Qwen2.5, Qwen3, Hermes models) and Llama
+  3.1-3.3's bare JSON calls (`Llama3JsonToolStream`).
 
 `make_stream` picks the stream for a request, `finish_reason` the reason its choice reports.
 """
@@ -29,6 +30,7 @@ from typing import Any
 __all__ = [
     "TOOL_CALL_PARSERS",
     "HermesToolStream",
+    "Llama3JsonToolStream",
     "NamedToolStream",
     "RequiredToolStream",
     "ToolCall",
@@ -43,10 +45,13 @@ __all__ = [
 ]
 
 # The formats of calls written in free text that raystate reads (tool_choice "auto").
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
+LLAMA3_PYTHON_TAG = "<|python_tag|>"
+# What Llama 3.1-3.3's chat templates tell the model when tools are given (the format of its calls).
+LLAMA3_JSON_INSTRUCTION = '{"name": function name, "parameters": dictionary of argument name and its value}'
 
 
 def new_call_id() -> str:
@@ -376,6 +381,65 @@ class HermesToolStream(ToolCallStream):
         return text
 
 
+class Llama3JsonToolStream(ToolCallStream):
+    """Llama 3.1-3.3's calls: given tools, their chat template asks the model to answer a call with a JSON
+    object `{"name": ..., "parameters": {...}}` and nothing else (several calls separated by ";"),
+    sometimes after the `<|python_tag|>` token. So an output whose first text (past whitespace) is "{" or
+    that tag is held whole and read at the end: calls if it is nothing but such objects, else the text it
+    was, sent as content then. Any other output is content, streamed as it comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mode: str | None = None  # None: not decided yet; "content"; "json"
+        self._held: list[str] = []
+
+    def _feed(self, text: str) -> Output:
+        if self._mode == "content":
+            return text, []
+        self._held.append(text)
+        if self._mode == "json":
+            return "", []
+        held = "".join(self._held)
+        start = held.lstrip()
+        if not start or (LLAMA3_PYTHON_TAG.startswith(start) and start != LLAMA3_PYTHON_TAG):
+            return "", []  # only whitespace, or what may still become the tag
+        if start.startswith(("{", LLAMA3_PYTHON_TAG)):
+            self._mode = "json"
+            return "", []
+        self._mode, self._held = "content", []
+        return held, []
+
+    def _finish(self) -> Output:
+        held, self._held = "".join(self._held), []
+        if self._mode != "json":
+            return held, []
+        calls = _llama3_calls(held.strip().removeprefix(LLAMA3_PYTHON_TAG))
+        if calls is None:
+            return held, []
+        return "", [self._new_call(name, arguments) for name, arguments in calls]
+
+
+def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
+    """(name, arguments JSON) of each `{"name": ..., "parameters"|"arguments": {...}}` object in `text`,
+    objects separated by ";" and whitespace; None if the text is anything else."""
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and (text[at].isspace() or (calls and text[at] == ";")):
+            at += 1
+        if at == len(text):
+            return calls or None
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+            return None
+        arguments = value.get("parameters", value.get("arguments", {}))
+        if not isinstance(arguments, dict):
+            return None
+        calls.append((value["name"], json.dumps(arguments, ensure_ascii=False)))
+
+
 def _partial_prefix_length(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a proper prefix of `tag` (0: none)."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -418,9 +482,12 @@ def required_schema(functions: Sequence[Mapping[str, Any]], parallel: bool) -> d
 
 def parser_for_template(template: str | None) -> str | None:
     """The call format a chat template teaches its model, if raystate reads it: "hermes" for a template
-    that writes `<tool_call>` blocks; None otherwise (also for no template)."""
+    that writes `<tool_call>` blocks, "llama3_json" for one that asks for Llama 3.1's JSON calls; None
+    otherwise (also for no template)."""
     if template is not None and HERMES_OPEN in template:
         return "hermes"
+    if template is not None and LLAMA3_JSON_INSTRUCTION in template:
+        return "llama3_json"
     return None
 
 
@@ -440,6 +507,8 @@ def make_stream(
     if tool_choice == "auto":
         if parser == "hermes":
             return HermesToolStream()
+        if parser == "llama3_json":
+            return Llama3JsonToolStream()
         raise ValueError(f"tool_choice 'auto' needs a tool call parser ({TOOL_CALL_PARSERS}), not {parser!r}")
     if tool_choice == "required":
         return RequiredToolStream()

@@ -319,3 +319,17 @@ def test_without_a_parser_auto_is_refused_and_forced_calls_still_work():
     named = {"type": "function", "function": {"name": "get_time"}}
     r = app.run(app.openai.chat.completions.create(**(body | {"tool_choice": named})))
     assert _calls(r.choices[0].message)[0]["arguments"] == '{"zone": "UTC"}'
+
+
+def test_llama3_json_calls_written_by_the_model_become_tool_calls():
+    call = '{{"name": "get_time", "parameters": {{"zone": "{}"}}}}'
+    script = f"{call.format('UTC')}; {call.format('CET')}"
+    app = _scripted(script, 5, parser="llama3_json")
+    kwargs = dict(model="scripted", messages=ASK, tools=TOOLS, max_tokens=1000)
+    r = app.run(app.openai.chat.completions.create(**kwargs))
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [json.loads(c["arguments"]) for c in _calls(choice.message)] == [{"zone": "UTC"}, {"zone": "CET"}]
+    content, streamed, reason = _stream_result(app, **kwargs)
+    assert (content, reason) == (None, "tool_calls")
+    assert [c["arguments"] for c in streamed] == [c["arguments"] for c in _calls(choice.message)]

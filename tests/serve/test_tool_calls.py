@@ -14,6 +14,7 @@ import pytest
 from raystate.serve.tool_calls import (
     TOOL_CALL_PARSERS,
     HermesToolStream,
+    Llama3JsonToolStream,
     NamedToolStream,
     RequiredToolStream,
     ToolCall,
@@ -463,3 +464,54 @@ def test_finish_reason_rules():
     assert finish_reason(no_calls, "stop") == "stop"
     assert finish_reason(_with_calls(RequiredToolStream(), "[{"), "stop") == "stop"  # made no call
     assert finish_reason(None, "stop") == "stop"
+
+
+# -- Llama 3 JSON calls ----------------------------------------------------------------------------------
+
+
+def llama3(text: str) -> tuple[str, list[tuple[str, str]]]:
+    return assert_split_invariant(Llama3JsonToolStream, text)
+
+
+def test_llama3_one_call_and_calls_separated_by_semicolons():
+    one = '{"name": "get_weather", "parameters": {"city": "Zürich", "days": [1, 2]}}'
+    assert llama3(one) == ("", [("get_weather", '{"city": "Zürich", "days": [1, 2]}')])
+    two = ' <|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": "}; {"}}\n'
+    assert llama3(two) == ("", [("a", "{}"), ("b", '{"x": "}; {"}')])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The weather is {fine}.",  # text first: content
+        "{not json at all",  # held, then sent as it was
+        '{"name": "a", "parameters": {}} and some words',  # more than calls: all content
+        '{"name": "a", "parameters": [1]}',  # arguments not an object
+        '{"parameters": {}}',  # no name
+        "<|python",  # what could have become the tag
+        "",
+        "   ",
+    ],
+)
+def test_llama3_anything_but_calls_is_content_as_written(text):
+    assert llama3(text) == (text, [])
+
+
+def test_llama3_text_that_is_not_a_call_streams_at_once():
+    stream = Llama3JsonToolStream()
+    assert stream.feed("  ") == ("", [])
+    assert stream.feed("Hi") == ("  Hi", [])  # decided: content from here on, as it comes
+    assert stream.feed(" {there}") == (" {there}", [])
+    assert stream.finish() == ("", [])
+
+
+def test_llama3_parser_is_recognised_and_made():
+    template = (
+        'Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
+        "value}. Do not use variables."
+    )
+    assert parser_for_template(template) == "llama3_json" and "llama3_json" in TOOL_CALL_PARSERS
+    assert isinstance(make_stream("auto", FUNCTIONS, "llama3_json"), Llama3JsonToolStream)
+    stream = make_stream("auto", FUNCTIONS, "llama3_json")
+    run(stream, ['{"name": "get_weather", "parameters": {}}'])
+    assert finish_reason(stream, "stop") == "tool_calls"
