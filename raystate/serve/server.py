@@ -568,7 +568,7 @@ class RaystateServer:
                 ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                 for c in calls.calls
             ]
-            if made and not content.strip():
+            if (made or not calls.writes_content) and not content.strip():
                 content = None  # a turn of calls only: content null, as OpenAI sends it
             reason = tool_calls.finish_reason(calls, reason)
             choices.append(shape.choice(gen.index, content, reason, ids, logprobs, tool_calls=made or None))

@@ -96,6 +96,9 @@ class ToolCallStream:
     # where the model chose to call (or was made to pick among the tools); OpenAI reports a forced named
     # function with the engine's own "stop".
     reports_tool_calls = True
+    # Whether the model may write content beside its calls: false where the grammar holds the whole
+    # output to calls, so an answer cut before its first call has null content, as a call turn has.
+    writes_content = True
 
     def __init__(self) -> None:
         self.calls: list[ToolCall] = []
@@ -136,6 +139,7 @@ class NamedToolStream(ToolCallStream):
     """
 
     reports_tool_calls = False
+    writes_content = False
 
     def __init__(self, name: str) -> None:
         super().__init__()
@@ -185,6 +189,8 @@ class RequiredToolStream(ToolCallStream):
     whole in the call's one delta. An element left incomplete when the output ends (cut by max_tokens)
     is dropped, as is an element not of that shape (which the grammar never lets through).
     """
+
+    writes_content = False
 
     def __init__(self) -> None:
         super().__init__()

@@ -130,6 +130,16 @@ def test_required_calls_are_each_a_listed_function_with_valid_arguments(tiny, pa
     assert [(c["name"], c["arguments"]) for c in streamed] == [(c["name"], c["arguments"]) for c in calls]
 
 
+def test_a_forced_call_cut_short_has_null_content_and_no_call(tiny):
+    kwargs = dict(model=tiny.name, messages=ASK, tools=TOOLS, max_tokens=4, temperature=0)
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        r = tiny.run(tiny.openai.chat.completions.create(**kwargs, tool_choice=choice))
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == "length" and message.content is None
+        # a named call is streamed as it comes: its (cut) arguments are there; "required" has none whole
+        assert (message.tool_calls is None) == (choice == "required")
+
+
 def test_a_conversation_with_earlier_calls_and_their_results_is_taken(tiny):
     messages = [
         *ASK,
