@@ -40,6 +40,7 @@ from raystate.client import Client, UpdateStream
 from raystate.config import EngineConfig
 from raystate.errors import EngineDead, InvalidRequest
 from raystate.fanout import ChildRequest
+from raystate.field_types import check_names
 from raystate.messages import (
     AddBatch,
     AddRequest,
@@ -361,6 +362,7 @@ class Cluster(RayClient):
         """
         from raystate import launch
 
+        check_names(launch.LaunchOptions, options, "a launch option")
         ensure_ray(address)
         deployment = launch.start(config, launch.LaunchOptions(name=name, num_shards=num_shards, **options))
         return cls(name, deployment.scheduler, deployment.config, deployment)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import numbers
 import os
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from typing import Any, Literal
 
 from raystate.config import NAMED_MODELS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from raystate.errors import InvalidRequest
+from raystate.field_types import check_field_types, check_names
 from raystate.tokenizer import ByteTokenizer
 
 # Where the engine runs: "ray", a deployment of a scheduler actor and worker actors; "inprocess", the
@@ -159,39 +159,14 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
-        for knob in knobs():
-            _check_type(knob, getattr(self, knob.name))
+        check_field_types(self)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         """EngineArgs from keyword arguments, an unknown name refused with the list of knobs (rather than
         dataclasses' TypeError)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        for name in kwargs:
-            if name not in names:
-                raise InvalidRequest(name, f"an engine knob ({', '.join(sorted(names))})", name)
+        check_names(cls, kwargs, "an engine knob")
         return cls(**kwargs)
-
-
-def _check_type(knob: Knob, value: Any) -> None:
-    """`value` is of the knob's type: None where the knob allows it, a bool for bool knobs, an integer
-    (never a bool) for int knobs, any real number (never a bool) for float knobs, a str for str knobs."""
-    if value is None and type(None) in typing.get_args(knob.annotation):
-        return
-    want = knob.value_type
-    if want is bool:
-        ok = isinstance(value, bool)
-    elif want is int:
-        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    elif want is float:
-        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, want)
-    if not ok:
-        allowed = (
-            f"{want.__name__} or None" if type(None) in typing.get_args(knob.annotation) else want.__name__
-        )
-        raise InvalidRequest(knob.name, f"of type {allowed}", value)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from raystate.config import EngineConfig
 from raystate.errors import InvalidRequest
+from raystate.field_types import check_field_types
 from raystate.scheduler.actor import SchedulerActor
 from raystate.worker.actor import WorkerActor
 
@@ -69,6 +70,7 @@ class LaunchOptions:
     dry_run: bool = False  # workers answer every step without a model (dispatch benchmarks)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.num_shards < 1:
             raise InvalidRequest("num_shards", ">= 1", self.num_shards)
         if self.dispatch not in ("compiled", "actor"):
