@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from raystate.engine_args import BACKENDS, EngineArgs, build_engine_config, knobs
+from raystate.serve.reasoning import REASONING_PARSERS
 from raystate.serve.tool_calls import TOOL_CALL_PARSERS
 
 DEFAULT_PROMPTS = [
@@ -271,6 +272,7 @@ def _serve(args: argparse.Namespace) -> int:
         direct_http_port=args.port if direct else None,
         direct_http_host=args.host,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         **({"cors_allow_methods": _words(args.cors_method)} if args.cors_method else {}),
         **({"cors_allow_headers": _words(args.cors_header)} if args.cors_header else {}),
     )
@@ -499,6 +501,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the model writes tool calls, for tool_choice auto (default: auto, the format its chat "
         "template writes if known; hermes: <tool_call> blocks, as Qwen2.5, Qwen3 and Hermes write them; "
         "llama3_json: Llama 3.1's bare JSON calls; none: tool_choice auto refused)",
+    )
+    s.add_argument(
+        "--reasoning-parser",
+        default="none",
+        choices=["none", *REASONING_PARSERS],
+        help="send a reasoning model's <think> text as reasoning_content (qwen3, deepseek_r1; default: "
+        "none, the text stays in the content)",
     )
     s.add_argument("--address", help="a running Ray cluster (default: start a local one, stopped on exit)")
     s.add_argument(

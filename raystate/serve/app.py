@@ -35,6 +35,7 @@ from raystate.serve.ingress import (
     DEFAULT_MAX_BODY_BYTES,
     create_api,
 )
+from raystate.serve.reasoning import REASONING_PARSERS
 from raystate.serve.server import DRAIN_CUT_MARGIN_S, RaystateServer
 from raystate.serve.tool_calls import TOOL_CALL_PARSERS
 
@@ -77,6 +78,9 @@ class AppArgs(_EngineFields):
     # "llama3_json" (Llama 3.1-3.3's bare JSON calls); "none":
     # tool_choice "auto" is refused (forced calls, through the grammar, still work).
     tool_call_parser: Literal["auto", "none", *TOOL_CALL_PARSERS] = "auto"
+    # How the model marks its thinking: "qwen3", "deepseek_r1" (<think> ... </think>) send it as the
+    # message's reasoning_content; "none" (default, as vLLM's): it stays in the content.
+    reasoning_parser: Literal["none", *REASONING_PARSERS] = "none"
     backend: Backend = "ray"
     cluster_name: str = "raystate"  # the Ray backend's cluster: connected to if it runs, else started
     num_shards: int = Field(1, ge=1)
@@ -224,6 +228,7 @@ class OpenAIIngress:
         http_guards: dict[str, Any] | None = None,
         direct_http: tuple[str, int] | None = None,
         tool_call_parser: str = "auto",
+        reasoning_parser: str = "none",
     ) -> None:
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         if require_api_key and not api_key:
@@ -233,7 +238,12 @@ class OpenAIIngress:
         if inspect.isawaitable(client):
             client = await client
         parser = None if tool_call_parser == "none" else tool_call_parser
-        self._server = RaystateServer(client, model_name, tool_call_parser=parser)
+        self._server = RaystateServer(
+            client,
+            model_name,
+            tool_call_parser=parser,
+            reasoning_parser=None if reasoning_parser == "none" else reasoning_parser,
+        )
         self._api_key = api_key
         self._max_body_bytes = max_body_bytes
         self._http_guards = dict(http_guards or {})
@@ -336,4 +346,5 @@ def make_app(args: dict[str, Any] | AppArgs | None = None, client_factory: Clien
         http_guards,
         None if opts.direct_http_port is None else (opts.direct_http_host, opts.direct_http_port),
         opts.tool_call_parser,
+        opts.reasoning_parser,
     )

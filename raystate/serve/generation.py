@@ -59,6 +59,9 @@ class Prepared:
     # A chat with tools: makes each choice's `raystate.serve.tool_calls.ToolCallStream`, which turns its
     # text into content and tool calls; None: the text is the content.
     tool_stream: Callable[[], Any] | None = None
+    # With a reasoning parser: makes each choice's `raystate.serve.reasoning.ThinkStream`, which splits its
+    # text into reasoning and answer (the answer then goes to the tool stream, if any).
+    reasoning_stream: Callable[[], Any] | None = None
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -470,6 +470,10 @@ class ChatMessage(_Request):
     name: str | None = Field(None, max_length=MAX_NAME_CHARS)
     tool_calls: list[MessageToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS)  # assistant turns
     tool_call_id: str | None = Field(None, max_length=MAX_TOOL_CALL_ID_CHARS)  # tool turns: the call answered
+    # An earlier assistant turn's thinking, as a reasoning parser returned it (the template decides
+    # whether to show it; transformers gives it under both names, as raystate.hf.chat_template does).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def template_fields(self) -> dict[str, Any]:
         """The message as a chat template reads it: the known fields that are set, and each tool call's
@@ -670,6 +674,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # null when the turn is tool calls only
     tool_calls: list[ToolCallOut] | None = None  # absent from the JSON when None
+    reasoning_content: str | None = None  # with a reasoning parser: the <think> text; absent when None
 
 
 class TopLogprob(BaseModel):
@@ -721,6 +726,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDeltaOut] | None = None  # absent from the JSON when None
+    reasoning_content: str | None = None  # absent from the JSON when None
 
 
 class ChatChunkChoice(BaseModel):
@@ -804,8 +810,9 @@ def dump_response(payload: BaseModel, keep_token_ids: bool) -> dict:
         if not keep_token_ids or choice.get("token_ids") is None:
             choice.pop("token_ids", None)
         for part in (choice.get("message"), choice.get("delta")):
-            if part is not None and part.get("tool_calls") is None:
-                part.pop("tool_calls", None)
+            for key in ("tool_calls", "reasoning_content"):
+                if part is not None and part.get(key) is None:
+                    part.pop(key, None)
             for call in (part or {}).get("tool_calls") or ():
                 for key in ("id", "type"):  # a call's later pieces carry only index and arguments
                     if call.get(key) is None:

@@ -80,6 +80,7 @@ from raystate.serve.protocol import (
     error_body,
     template_tools,
 )
+from raystate.serve.reasoning import REASONING_PARSERS, ThinkStream, prompt_opens_thinking
 from raystate.serve.text import ModelText, model_text_for_config
 
 logger = logging.getLogger(__name__)
@@ -198,16 +199,16 @@ _COMPLETIONS = _Shape(
 _CHAT = _Shape(
     ChatCompletionResponse,
     ChatCompletionChunk,
-    choice=lambda index, text, reason, ids, logprobs=None, tool_calls=None: ChatChoice(
+    choice=lambda index, text, reason, ids, logprobs=None, tool_calls=None, reasoning=None: ChatChoice(
         index=index,
-        message=AssistantMessage(content=text, tool_calls=tool_calls),
+        message=AssistantMessage(content=text, tool_calls=tool_calls, reasoning_content=reasoning),
         finish_reason=reason,
         token_ids=ids,
         logprobs=logprobs,
     ),
-    delta=lambda index, text, reason, ids, logprobs=None, tool_calls=None: ChatChunkChoice(
+    delta=lambda index, text, reason, ids, logprobs=None, tool_calls=None, reasoning=None: ChatChunkChoice(
         index=index,
-        delta=ChatDelta(content=text, tool_calls=tool_calls),
+        delta=ChatDelta(content=text, tool_calls=tool_calls, reasoning_content=reasoning),
         finish_reason=reason,
         token_ids=ids,
         logprobs=logprobs,
@@ -228,12 +229,15 @@ class RaystateServer:
         metrics: ServeMetrics | None = None,
         text: ModelText | None = None,
         tool_call_parser: str | None = "auto",
+        reasoning_parser: str | None = None,
     ) -> None:
         """`model_name`: the id clients send as `model` and responses carry (default: the model's name).
         `text`: the model's tokenizer and generation defaults (default: those of the model
         `client.config` runs, `model_text_for_config`). `tool_call_parser`: how the model's free text
         writes tool calls, for tool_choice "auto" (`raystate.serve.tool_calls.TOOL_CALL_PARSERS`); "auto":
-        the format its chat template writes, if raystate knows it; None: tool_choice "auto" is refused."""
+        the format its chat template writes, if raystate knows it; None: tool_choice "auto" is refused.
+        `reasoning_parser` (`raystate.serve.reasoning.REASONING_PARSERS`): the model's `<think>` text goes
+        to `reasoning_content`; None: it stays in the content."""
         self.client = client
         config = client.config
         self.model_name = model_name or config.model.name
@@ -252,6 +256,11 @@ class RaystateServer:
                 tool_call_parser,
             )
         self.tool_call_parser = tool_call_parser
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise InvalidRequest(
+                "reasoning_parser", f"one of {', '.join(REASONING_PARSERS)}", reasoning_parser
+            )
+        self.reasoning_parser = reasoning_parser
         self.metrics = metrics or ServeMetrics()
         self.metrics.model_name = self.metrics.model_name or self.model_name  # vLLM series' label
         self._aborts: set[asyncio.Task] = set()
@@ -280,9 +289,9 @@ class RaystateServer:
         self,
         req: ChatCompletionRequest | TokenizeChatRequest,
         add_special_tokens: bool | None = None,
-    ) -> list[int]:
-        """The conversation's prompt ids through the model's chat template (ModelText.chat_prompt), with
-        the request's template controls; the tokenizer's errors named after `messages`."""
+    ) -> tuple[str, list[int]]:
+        """The conversation's prompt (text, ids) through the model's chat template (ModelText.chat_prompt),
+        with the request's template controls; the tokenizer's errors named after `messages`."""
         messages = [m.template_fields() for m in req.messages]
         if not self.text.is_hf:
             for m in messages:
@@ -292,7 +301,7 @@ class RaystateServer:
         if req.tools and getattr(req, "tool_mode", "auto") != "none":
             tools = template_tools(req.tools)
         try:
-            _, ids = self.text.chat_prompt(
+            text, ids = self.text.chat_prompt(
                 messages,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
@@ -306,7 +315,7 @@ class RaystateServer:
             ):
                 raise
             raise InvalidRequest("messages", e.limit, e.got) from None  # the tokenizer's "text"
-        return ids
+        return text, ids
 
     def _sampling(
         self,
@@ -406,7 +415,7 @@ class RaystateServer:
 
     def _prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self._check_model(req.model)
-        ids = self._chat_prompt(req)
+        prompt_text, ids = self._chat_prompt(req)
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
                 "messages", f"shorter than max_model_len={self.max_model_len} tokens", len(ids)
@@ -439,7 +448,15 @@ class RaystateServer:
             return_token_ids=bool(req.return_token_ids),
             include_usage=req.include_usage,
             tool_stream=tool_stream,
+            reasoning_stream=self._reasoning_stream(prompt_text),
         )
+
+    def _reasoning_stream(self, prompt_text: str) -> Callable[[], ThinkStream] | None:
+        """The factory of each choice's ThinkStream, with the server's reasoning parser; None without one."""
+        if self.reasoning_parser is None:
+            return None
+        inside = prompt_opens_thinking(prompt_text)
+        return lambda: ThinkStream(starts_inside=inside)
 
     def _tool_calling(self, req: ChatCompletionRequest) -> tuple[dict[str, Any] | None, Callable | None]:
         """(the structured output that holds the model to a call, or None; the factory of each choice's
@@ -558,8 +575,17 @@ class RaystateServer:
                     prep, gen, out_ids, bytes(gen.logprobs), gen.prompt_logprobs, True, 0
                 )
             ids = gen.token_ids if prep.return_token_ids else None
-            if prep.tool_stream is None:
+            if prep.tool_stream is None and prep.reasoning_stream is None:
                 choices.append(shape.choice(gen.index, text, reason, ids, logprobs))
+                continue
+            thinking = None
+            if prep.reasoning_stream is not None:
+                think = prep.reasoning_stream()
+                think.feed(text)
+                think.finish()
+                text, thinking = think.answer, think.reasoning or None
+            if prep.tool_stream is None:
+                choices.append(shape.choice(gen.index, text, reason, ids, logprobs, reasoning=thinking))
                 continue
             calls = prep.tool_stream()
             content, _ = calls.feed(text)
@@ -571,7 +597,11 @@ class RaystateServer:
             if (made or not calls.writes_content) and not content.strip():
                 content = None  # a turn of calls only: content null, as OpenAI sends it
             reason = tool_calls.finish_reason(calls, reason)
-            choices.append(shape.choice(gen.index, content, reason, ids, logprobs, tool_calls=made or None))
+            choices.append(
+                shape.choice(
+                    gen.index, content, reason, ids, logprobs, tool_calls=made or None, reasoning=thinking
+                )
+            )
         return shape.response(
             id=prep.request_id,
             created=prep.created,
@@ -593,6 +623,7 @@ class RaystateServer:
                     yield _sse(shape.chunk(**head, choices=[shape.opening(gen.index)]), False)
             offsets: dict[int, int] = {}  # per choice index: text offset after its chunks so far (logprobs)
             streams: dict[int, Any] = {}  # per choice index: its ToolCallStream (a chat with tools)
+            thinks: dict[int, ThinkStream] = {}  # per choice index: its ThinkStream (a reasoning parser)
             async with contextlib.aclosing(merged_deltas(gens)) as deltas:
                 async for gen, d in deltas:
                     text, reason, out_ids = d.text, d.finish_reason, d.token_ids
@@ -609,8 +640,22 @@ class RaystateServer:
                             prep, gen, out_ids, d.logprobs, d.prompt_logprobs, first, offset
                         )
                     offsets[gen.index] = offset
-                    if prep.tool_stream is None:
+                    thinking = None
+                    if prep.reasoning_stream is not None:
+                        if gen.index not in thinks:
+                            thinks[gen.index] = prep.reasoning_stream()
+                        thinking, text = thinks[gen.index].feed(text)
+                        if reason is not None:
+                            more_thinking, more_text = thinks[gen.index].finish()
+                            thinking, text = thinking + more_thinking, text + more_text
+                        thinking = thinking or None
+                    if prep.tool_stream is None and prep.reasoning_stream is None:  # (completions too)
                         choice = shape.delta(gen.index, text, reason, d.token_ids, logprobs)
+                    elif prep.tool_stream is None:
+                        content = None if thinking and not text else text
+                        choice = shape.delta(
+                            gen.index, content, reason, d.token_ids, logprobs, reasoning=thinking
+                        )
                     else:
                         if gen.index not in streams:
                             streams[gen.index] = prep.tool_stream()
@@ -621,9 +666,15 @@ class RaystateServer:
                             text, made = text + more_text, made + more_made
                             reason = tool_calls.finish_reason(calls, reason)
                         deltas = _tool_call_deltas(made)
-                        content = None if deltas and not text else text
+                        content = None if (deltas or thinking) and not text else text
                         choice = shape.delta(
-                            gen.index, content, reason, d.token_ids, logprobs, tool_calls=deltas
+                            gen.index,
+                            content,
+                            reason,
+                            d.token_ids,
+                            logprobs,
+                            tool_calls=deltas,
+                            reasoning=thinking,
                         )
                     yield _sse(shape.chunk(**head, choices=[choice]), prep.return_token_ids)
         except Exception as e:  # the headers are sent: an error event, never a cut connection
@@ -698,7 +749,7 @@ class RaystateServer:
         true), or a conversation's as /v1/chat/completions renders and encodes it."""
         self._check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
-            ids = self._chat_prompt(req, req.add_special_tokens)
+            _, ids = self._chat_prompt(req, req.add_special_tokens)
         else:
             try:
                 ids = self.text.encode(req.prompt, add_special_tokens=req.add_special_tokens)
