@@ -15,6 +15,8 @@ and what is answer; a piece that may be the start of a tag is held back until th
 
 from __future__ import annotations
 
+from raystate.serve.tool_calls import partial_tag_length
+
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -63,7 +65,7 @@ class ThinkStream:
                     reasoning.append(text[:at])
                     self._state, text = "answer_start", text[at + len(THINK_CLOSE) :]
                     continue
-                keep = _partial_tag(text, THINK_CLOSE)
+                keep = partial_tag_length(text, THINK_CLOSE)
                 reasoning.append(text[: len(text) - keep])
                 self._held = text[len(text) - keep :]
                 break
@@ -90,11 +92,3 @@ class ThinkStream:
         self.reasoning += reasoning
         self.answer += answer
         return reasoning, answer
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that is a proper prefix of `tag` (0: none)."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:length]):
-            return length
-    return 0

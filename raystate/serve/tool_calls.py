@@ -41,6 +41,7 @@ __all__ = [
     "named_schema",
     "new_call_id",
     "parser_for_template",
+    "partial_tag_length",
     "required_schema",
 ]
 
@@ -309,7 +310,7 @@ class HermesToolStream(ToolCallStream):
                 continue
             at = text.find(HERMES_OPEN)
             if at < 0:
-                keep = _partial_prefix_length(text, HERMES_OPEN)
+                keep = partial_tag_length(text, HERMES_OPEN)
                 content.append(self._content(text[: len(text) - keep]))
                 self._held_tag = text[len(text) - keep :]
                 break
@@ -446,7 +447,7 @@ def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
         calls.append((value["name"], json.dumps(arguments, ensure_ascii=False)))
 
 
-def _partial_prefix_length(text: str, tag: str) -> int:
+def partial_tag_length(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a proper prefix of `tag` (0: none)."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:length]):
