@@ -95,7 +95,8 @@ for part in $parts; do
     pdl)  # what programmatic dependent launch saves per graph node
       timeout 120 python3 bench/bench_pdl.py --json "$OUT/pdl.json" 2>&1 | tee "$OUT/pdl.log" | tail -10 ;;
     hf_pdl)  # Gemma-3-4B's decode step (batch 64, 4k): as shipped, without PDL, with the fp32 greedy path
-      timeout 300 python3 bench/bench_hf_models.py --shape gemma3-4b --root /tmp/hf_ckpt ${HF_EXACT:---skip-exactness} \
+      # (HF_EXACT= , set and empty, also checks greedy tokens against transformers first)
+      timeout 300 python3 bench/bench_hf_models.py --shape gemma3-4b --root /tmp/hf_ckpt ${HF_EXACT---skip-exactness} \
         --json "$OUT/hf_gemma3-4b.json" 2>&1 | grep -v "Loading weights" | tail -3
       timeout 400 python3 bench/bench_decode.py --model /tmp/hf_ckpt/gemma3-4b --batch 64 --context 4096 \
         --steps 32 --configs "${HF_CONFIGS:-graphs + async,graphs + async + no PDL,graphs + async + fp32 greedy}" \

@@ -10,46 +10,14 @@ engine: an oracle independent of Ray and Serve.
 
 from __future__ import annotations
 
-import socket
-import time
 import uuid
-from dataclasses import dataclass
 
-import httpx
 import pytest
+from serve_harness import App, free_port
 
 API_KEY = "test-key-" + uuid.uuid4().hex
 BACKEND = "ray"
 MAX_MODEL_LEN = 2048
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class App:
-    url: str  # the app's root: {url}/v1/completions, {url}/health, ...
-    api_key: str | None
-
-    @property
-    def v1(self) -> str:
-        return f"{self.url}/v1"
-
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def status(self) -> dict:
-        r = httpx.get(f"{self.url}/status", headers=self.headers(), timeout=30)
-        r.raise_for_status()
-        return r.json()
-
-    def metrics(self) -> str:
-        r = httpx.get(f"{self.url}/metrics", headers=self.headers(), timeout=30)
-        r.raise_for_status()
-        return r.text
 
 
 @pytest.fixture(scope="package")
@@ -111,16 +79,3 @@ def reference(serve_port):
         return [(o.token_ids, o.text, o.finish_reason) for o in outs]
 
     return generate
-
-
-def wait_idle(app: App, free_blocks, timeout_s: float = 20.0) -> dict:
-    """Polls /status until nothing runs or waits and the free blocks are back to `free_blocks`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = app.status()
-        idle = sum(status["num_running"]) == 0 and sum(status["num_waiting"]) == 0
-        if idle and status["num_free_blocks"] == free_blocks:
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(f"backend not idle after {timeout_s} s: {status}")
-        time.sleep(0.05)

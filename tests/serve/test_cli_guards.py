@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import free_port
+from serve_harness import free_port
 from test_cli_serve import _reader, _wait_for
 
 pytestmark = pytest.mark.slow

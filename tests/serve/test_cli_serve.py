@@ -17,7 +17,7 @@ import time
 
 import httpx
 import pytest
-from conftest import free_port
+from serve_harness import free_port
 
 pytestmark = pytest.mark.slow  # each test starts `raystate serve` (a local Ray and a Serve app)
 

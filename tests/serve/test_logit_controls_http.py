@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import App
+from serve_harness import App
 
 FORCED = ord("*")  # the byte model's token id of "*"
 

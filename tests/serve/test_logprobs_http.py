@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import App
+from serve_harness import App
 
 from raystate.tokenizer import ByteTokenizer
 

@@ -11,7 +11,7 @@ import asyncio
 import time
 
 import openai
-from conftest import App
+from serve_harness import App
 
 from raystate.tokenizer import ByteTokenizer
 

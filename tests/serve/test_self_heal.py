@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 import ray
-from conftest import App
+from serve_harness import App
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import wait_idle
+from serve_harness import wait_idle
 
 GOOD = {"model": "tiny", "prompt": "D0 fine", "max_tokens": 2, "temperature": 0}
 GOOD_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "D0"}], "max_tokens": 2}

@@ -8,7 +8,7 @@ import json
 
 import jsonschema
 import openai
-from conftest import App
+from serve_harness import App
 
 SCHEMA = {
     "type": "object",
