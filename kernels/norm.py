@@ -56,25 +56,29 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent (raystate.kernels._pdl)
 ):
-    # One program per row; outputs are contiguous [T, N].
+    # One program per row; outputs are contiguous [T, N]. Every load is issued first: they are
+    # independent, and a store between them would keep the compiler from hoisting the later ones (it
+    # cannot prove the pointers apart), making the row a chain of memory round trips.
     pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+    if PRE_NORM:
+        pre_w = tl.load(pre_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
     if PRE_NORM:  # rounded to the stream's dtype, as the unfused norm's output would be
         x32 = x.to(tl.float32)
         pre_inv_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / num_cols + eps)
-        pre_w = tl.load(pre_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
         x = (x32 * pre_inv_rms * pre_w).to(out_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(summed_ptr.dtype.element_ty)  # rounded like torch's add
         tl.store(summed_ptr + row * num_cols + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     mean_sq = tl.sum(x32 * x32, axis=0) / num_cols
     inv_rms = 1.0 / tl.sqrt(mean_sq + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
     tl.store(out_ptr + row * num_cols + cols, (x32 * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -147,68 +147,72 @@ def _rope_write_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent (raystate.kernels._pdl)
 ):
+    # Two programs per token: queries (part 0), keys and values (part 1), each half the work of one
+    # program doing both, so the launch (a few us at decode sizes) finishes sooner.
     pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     half = head_dim // 2
     dims = tl.arange(0, BLOCK_HALF)
     pos = tl.load(positions_ptr + token)
     cos = tl.load(cos_sin_ptr + pos * head_dim + dims, mask=dims < half, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * head_dim + half + dims, mask=dims < half, other=0.0)
     src = qkv_ptr + token * qkv_stride
-
-    # Queries: rotated into q[token].
-    q_heads = tl.arange(0, BLOCK_H)
-    _rotate_heads(
-        src,
-        q_ptr + token * num_heads * head_dim,
-        cos,
-        sin,
-        q_heads,
-        dims,
-        half,
-        num_heads,
-        head_dim,
-        head_dim,
-        (q_gain_ptr, norm_eps, norm_weight_offset),
-        QK_NORM,
-    )
-
-    # Keys (rotated) and values (copied) to the token's cache slot, unless the slot is negative.
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    kv_heads = tl.arange(0, BLOCK_KV)
-    # A negative slot turns the head count to 0, so every store is masked off (a vector mask, which the
-    # interpreter accepts, rather than a scalar branch).
-    live_kv_heads = tl.where(slot >= 0, num_kv_heads, 0)
-    blk = tl.maximum(slot, 0) // block_size
-    off = tl.maximum(slot, 0) % block_size
-    k_dst = k_cache_ptr + blk * k_cache_stride_block + off * k_cache_stride_slot
-    _rotate_heads(
-        src + num_heads * head_dim,
-        k_dst,
-        cos,
-        sin,
-        kv_heads,
-        dims,
-        half,
-        live_kv_heads,
-        head_dim,
-        k_cache_stride_h,
-        (k_gain_ptr, norm_eps, norm_weight_offset),
-        QK_NORM,
-    )
-    full = tl.arange(0, 2 * BLOCK_HALF)
-    v_mask = (kv_heads < live_kv_heads)[:, None] & (full < head_dim)[None, :]
-    v = tl.load(
-        src + (num_heads + num_kv_heads) * head_dim + kv_heads[:, None] * head_dim + full[None, :],
-        mask=v_mask,
-        other=0.0,
-    )
-    v_dst = v_cache_ptr + blk * v_cache_stride_block + off * v_cache_stride_slot
-    tl.store(
-        v_dst + kv_heads[:, None] * v_cache_stride_h + full[None, :],
-        v.to(v_cache_ptr.dtype.element_ty),
-        mask=v_mask,
-    )
+    if part == 0:
+        # Queries: rotated into q[token].
+        q_heads = tl.arange(0, BLOCK_H)
+        _rotate_heads(
+            src,
+            q_ptr + token * num_heads * head_dim,
+            cos,
+            sin,
+            q_heads,
+            dims,
+            half,
+            num_heads,
+            head_dim,
+            head_dim,
+            (q_gain_ptr, norm_eps, norm_weight_offset),
+            QK_NORM,
+        )
+    else:
+        # Keys (rotated) and values (copied) to the token's cache slot, unless the slot is negative.
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        kv_heads = tl.arange(0, BLOCK_KV)
+        # A negative slot turns the head count to 0, so every store is masked off (a vector mask, which
+        # the interpreter accepts, rather than a scalar branch).
+        live_kv_heads = tl.where(slot >= 0, num_kv_heads, 0)
+        blk = tl.maximum(slot, 0) // block_size
+        off = tl.maximum(slot, 0) % block_size
+        full = tl.arange(0, 2 * BLOCK_HALF)
+        v_mask = (kv_heads < live_kv_heads)[:, None] & (full < head_dim)[None, :]
+        # V is loaded before the keys are stored: a load after a store would wait for it.
+        v = tl.load(
+            src + (num_heads + num_kv_heads) * head_dim + kv_heads[:, None] * head_dim + full[None, :],
+            mask=v_mask,
+            other=0.0,
+        )
+        k_dst = k_cache_ptr + blk * k_cache_stride_block + off * k_cache_stride_slot
+        _rotate_heads(
+            src + num_heads * head_dim,
+            k_dst,
+            cos,
+            sin,
+            kv_heads,
+            dims,
+            half,
+            live_kv_heads,
+            head_dim,
+            k_cache_stride_h,
+            (k_gain_ptr, norm_eps, norm_weight_offset),
+            QK_NORM,
+        )
+        v_dst = v_cache_ptr + blk * v_cache_stride_block + off * v_cache_stride_slot
+        tl.store(
+            v_dst + kv_heads[:, None] * v_cache_stride_h + full[None, :],
+            v.to(v_cache_ptr.dtype.element_ty),
+            mask=v_mask,
+        )
 
 
 def rope_write_kv(
@@ -236,7 +240,7 @@ def rope_write_kv(
     assert qkv.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert head_dim % 2 == 0 and cos_sin.is_contiguous()
     pdl = use_pdl(qkv)
-    _rope_write_kv_kernel[(num_tokens,)](
+    _rope_write_kv_kernel[(num_tokens, 2)](
         qkv,
         positions,
         cos_sin,
