@@ -359,21 +359,15 @@ def _paged_attention_kernel(
     k_head_ptr = k_cache_ptr + kv_head.to(tl.int64) * k_strides[2]
     v_head_ptr = v_cache_ptr + kv_head.to(tl.int64) * v_strides[2]
     kv = (block_table_row, bt_strides[1], k_head_ptr, v_head_ptr, k_strides, v_strides)
+    io = (query_ptr, out_ptr, q_strides, o_strides)
+    row_bounds = (q_start, q_len, seq_len, floor)
     if ROW_PROGRAMS:
         # Every query tile of the row. The first runs straight-line, outside the loop below: a decode
         # row has one tile, and a loop around the key loop costs about a microsecond a program. Later
         # tiles (a row longer than the launch's max_query_len said) run in the loop.
         if q_len > 0:
             _attend_query_tile(
-                (query_ptr, out_ptr, q_strides, o_strides),
-                (q_start, q_len, seq_len, floor),
-                q_len * 0,
-                kv_head,
-                kv,
-                sliding_window,
-                scale_log2,
-                SHAPE,
-                TILE,
+                io, row_bounds, q_len * 0, kv_head, kv, sliding_window, scale_log2, SHAPE, TILE
             )
         tiles_lo = q_len * 0 + BLOCK_Q
         tiles_hi = q_len
@@ -381,17 +375,7 @@ def _paged_attention_kernel(
         tiles_lo = (tile_id - (q_start // BLOCK_Q + row)) * BLOCK_Q
         tiles_hi = tl.minimum(tiles_lo + 1, q_len)
     for q_first in range(tiles_lo, tiles_hi, BLOCK_Q):
-        _attend_query_tile(
-            (query_ptr, out_ptr, q_strides, o_strides),
-            (q_start, q_len, seq_len, floor),
-            q_first,
-            kv_head,
-            kv,
-            sliding_window,
-            scale_log2,
-            SHAPE,
-            TILE,
-        )
+        _attend_query_tile(io, row_bounds, q_first, kv_head, kv, sliding_window, scale_log2, SHAPE, TILE)
 
 
 @triton.jit
