@@ -29,7 +29,7 @@ for part in ${*:-attention decode}; do
           | tee "$OUT/split_${side}_$round.log" | grep -E "^(B=|D=|plain|empty)" | cut -c1-120 ;;
         gemma) timeout 150 $run python3 bench/bench_decode.py --model /tmp/hf_ckpt/gemma3-4b --batch 64 --context 4096 \
           --steps 32 --configs "graphs + async" ${GEMMA_ARGS:-} 2>&1 | tee "$OUT/gemma_${side}_$round.log" \
-          | grep -E "^decode|^profile|^ +[0-9.]+ us/step|attention:" ;;
+          | grep -E "^decode|profile of|^ +[0-9.]+ us/step|attention:" ;;
         small_kernels) timeout 120 $run python3 bench/bench_small_kernels.py 2>&1 | tee "$OUT/small_kernels_${side}_$round.log" ;;
         small) for b in 1 8; do timeout 150 $run python3 bench/bench_decode.py --batch $b --context 4096 \
             --steps 48 --configs "graphs + async" 2>&1 | tee "$OUT/small_b${b}_${side}_$round.log" | grep "^decode"; done ;;

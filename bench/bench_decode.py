@@ -151,8 +151,8 @@ def run(
 # split-KV decode attention off (one program per row and kv head), its before/after; "cuBLASLt" has
 # torch issue the projections through cuBLASLt instead of cuBLAS (bench_blas.py times both); "no PDL"
 # launches every kernel plainly (RAYSTATE_PDL=0); "fp32 greedy" takes the greedy ids as before 2026-12-05
-# (the head's output converted to fp32, then torch's row max). Those five are run only when named in
-# --configs.
+# (the head's output converted to fp32, then torch's row max); "no split-K" runs every projection as one
+# plain GEMM (RAYSTATE_SPLIT_K=0; raystate.kernels.split_k). Those six are run only when named in --configs.
 CONFIGS = (
     ("graphs + async", True, True, "default"),
     ("graphs + async, unguarded argmax", True, True, "unguarded"),
@@ -161,6 +161,7 @@ CONFIGS = (
     ("graphs + async + cuBLASLt", True, True, "cublaslt"),
     ("graphs + async + no PDL", True, True, "no_pdl"),
     ("graphs + async + fp32 greedy", True, True, "fp32_greedy"),
+    ("graphs + async + no split-K", True, True, "no_split_k"),
     ("graphs", True, False, "default"),
     ("eager", False, False, "default"),
 )
@@ -175,7 +176,9 @@ def main() -> None:
     ap.add_argument("--model", default="bench", help="a named model or a checkpoint folder")
     ap.add_argument("--configs", default="", help="comma-separated labels of CONFIGS to run (default: all)")
     ap.add_argument(
-        "--profile", action="store_true", help="then profile 3 decode steps of the default (one more run)"
+        "--profile",
+        action="store_true",
+        help="then profile 3 decode steps of each configuration run (one more run each)",
     )
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -220,17 +223,28 @@ def main() -> None:
         if label != "eager":
             same = sum(a == b for a, b in zip(results[label], base, strict=True))
             print(f"{label} vs eager: {same}/{args.batch} requests with identical tokens")
-    if args.profile:
-        _, llm, _, prof = run(
-            True, True, args.batch, args.context, args.steps, profile_steps=3, model=args.model
-        )
+    for label, graphs, async_scheduling, layout in CONFIGS if args.profile else ():
+        if label not in medians or not graphs:
+            continue
+        with step_variant(layout):
+            _, llm, _, prof = run(
+                graphs,
+                async_scheduling,
+                args.batch,
+                args.context,
+                args.steps,
+                profile_steps=3,
+                model=args.model,
+            )
+        print(f"[{label}]", end=" ")
         print_profile(prof, 3, llm.engine.worker.model.config.layer_types, floor)
         del llm
+        torch.cuda.empty_cache()
     if args.plot:
         plot(args.plot, medians, floor, args, name)
 
 
-OPT_IN_VARIANTS = ("logprobs", "no_split", "cublaslt", "no_pdl", "fp32_greedy")
+OPT_IN_VARIANTS = ("logprobs", "no_split", "cublaslt", "no_pdl", "fp32_greedy", "no_split_k")
 
 
 @contextlib.contextmanager
@@ -238,7 +252,8 @@ def step_variant(variant: str):
     """ "unguarded": the graph's greedy step without the non-finite-row guard (a plain argmax), for its
     cost; "no_split": no split-KV decode attention; "cublaslt": projections through cuBLASLt;
     "no_pdl": every kernel launched plainly; "fp32_greedy": greedy ids from an fp32 copy of the head's
-    output by torch's row max; "default" and "logprobs": as shipped."""
+    output by torch's row max; "no_split_k": no split-K projections; "default" and "logprobs": as
+    shipped."""
     if variant in ("default", "logprobs"):
         yield
         return
@@ -250,6 +265,15 @@ def step_variant(variant: str):
             yield
         finally:
             _pdl.set_enabled(saved_pdl)
+        return
+    if variant == "no_split_k":
+        from raystate.kernels import split_k
+
+        saved_split_k = split_k.set_enabled(False)
+        try:
+            yield
+        finally:
+            split_k.set_enabled(saved_split_k)
         return
     if variant == "fp32_greedy":
         from raystate.kernels.greedy import greedy_checked_ref
@@ -317,7 +341,7 @@ def print_profile(prof, steps: int, layer_types: tuple[str, ...], floor: float) 
         kinds[kernel_kind(evt.name)] = kinds.get(kernel_kind(evt.name), 0.0) + evt.device_time / steps
     busy = sum(kinds.values())
     print(
-        f"profile of {steps} decode steps (graphs + async): kernels {busy / 1e3:.3f} ms per step = "
+        f"profile of {steps} decode steps: kernels {busy / 1e3:.3f} ms per step = "
         f"{busy * 1e-6 / floor:.2f}x the floor; "
         + ", ".join(f"{k} {v / 1e3:.3f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
     )

@@ -18,16 +18,19 @@ import triton.language as tl
 
 from raystate.kernels._common import next_pow2, use_triton
 from raystate.kernels._pdl import launch_options, pdl_prologue, use_pdl
+from raystate.kernels.split_k import PartialSums
 
 
 def rms_norm_ref(
-    x: torch.Tensor,  # [T, N]
+    x: torch.Tensor | PartialSums,  # [T, N], or a split-K projection's fp32 partials of it
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]: added to x first
     weight_offset: float = 0.0,  # the gain is weight + offset (Gemma's norms: 1 + w)
     pre_weight: torch.Tensor | None = None,  # [N]: x is first normalised with this gain (same eps, offset)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (normed [T, N], x' + residual [T, N] or None)
+    if isinstance(x, PartialSums):
+        x = x.total()
     if pre_weight is not None:
         x = rms_norm_ref(x, pre_weight, eps, None, weight_offset)[0]
     summed = None
@@ -40,17 +43,19 @@ def rms_norm_ref(
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,  # [T, N]
+    x_ptr,  # [T, N]; with X_SPLITS, fp32 [X_SPLITS, T, N] partial sums of it
     residual_ptr,  # [T, N] (unused without HAS_RESIDUAL)
     out_ptr,  # [T, N]
     summed_ptr,  # [T, N]: x + residual (unused without HAS_RESIDUAL)
     weight_ptr,  # [N]
     pre_weight_ptr,  # [N]: x's own norm first (unused without PRE_NORM)
     x_stride,
+    x_split_stride,  # between partials (unused without X_SPLITS)
     residual_stride,
     num_cols,
     eps,
     weight_offset,
+    X_SPLITS: tl.constexpr,  # 0: x is the tensor; S > 0: x is the sum of S partials, rounded to out's dtype
     HAS_RESIDUAL: tl.constexpr,
     PRE_NORM: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -64,11 +69,15 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    for split in tl.static_range(1, X_SPLITS):
+        x += tl.load(x_ptr + split * x_split_stride + row * x_stride + cols, mask=mask, other=0.0)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
     if PRE_NORM:
         pre_w = tl.load(pre_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+    if X_SPLITS > 0:  # the projection's output as its GEMM would have rounded it
+        x = x.to(out_ptr.dtype.element_ty)
     if PRE_NORM:  # rounded to the stream's dtype, as the unfused norm's output would be
         x32 = x.to(tl.float32)
         pre_inv_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / num_cols + eps)
@@ -83,7 +92,7 @@ def _rms_norm_kernel(
 
 
 def rms_norm(
-    x: torch.Tensor,
+    x: torch.Tensor | PartialSums,
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
@@ -91,14 +100,23 @@ def rms_norm(
     pre_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(norm(x + residual) * (weight + offset), x + residual), or (norm(x) * (weight + offset), None)
-    without a residual. With `pre_weight`, x stands for norm(x) * (pre_weight + offset) throughout."""
-    if not use_triton(x):
+    without a residual. With `pre_weight`, x stands for norm(x) * (pre_weight + offset) throughout. x may
+    be a split-K projection's `PartialSums` [T, N]: they are summed in the same launch."""
+    splits, split_stride = 0, 0
+    if isinstance(x, PartialSums):
+        parts, dtype = x
+        if not use_triton(parts):
+            return rms_norm_ref(x, weight, eps, residual, weight_offset, pre_weight)
+        assert parts.dim() == 3 and parts.stride(-1) == 1, "partials [S, T, N], rows contiguous"
+        splits, split_stride, x2, shape = parts.shape[0], parts.stride(0), parts[0], parts.shape[1:]
+    elif not use_triton(x):
         return rms_norm_ref(x, weight, eps, residual, weight_offset, pre_weight)
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
+    else:
+        dtype, shape = x.dtype, x.shape
+        x2 = x.reshape(-1, shape[-1])
     num_rows, num_cols = x2.shape
     assert x2.stride(-1) == 1, "rows must be contiguous"
-    out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
+    out = torch.empty((num_rows, num_cols), dtype=dtype, device=x2.device)
     summed = None
     res2 = x2
     if residual is not None:
@@ -106,7 +124,7 @@ def rms_norm(
         assert res2.stride(-1) == 1, "residual rows must be contiguous"
         summed = torch.empty_like(out)
     if num_rows:
-        pdl = use_pdl(x)
+        pdl = use_pdl(x2)
         _rms_norm_kernel[(num_rows,)](
             x2,
             res2,
@@ -115,10 +133,12 @@ def rms_norm(
             weight,
             pre_weight if pre_weight is not None else weight,
             x2.stride(0),
+            split_stride,
             res2.stride(0),
             num_cols,
             eps,
             weight_offset,
+            X_SPLITS=splits,
             HAS_RESIDUAL=residual is not None,
             PRE_NORM=pre_weight is not None,
             BLOCK=next_pow2(num_cols),

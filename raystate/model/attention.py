@@ -15,7 +15,8 @@ from raystate.config import RopeConfig
 from raystate.kernels import paged_attention
 from raystate.kernels.norm import rms_norm_heads_
 from raystate.kernels.rotary import rope_write_kv
-from raystate.model.layers import RMSNorm, apply_rotary
+from raystate.kernels.split_k import PartialSums
+from raystate.model.layers import RMSNorm, apply_rotary, project
 
 
 @dataclass
@@ -118,7 +119,7 @@ class Attention(nn.Module):
         group: GroupMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, H_kv, head_dim]
         cos_sin: torch.Tensor,  # fp32 [max_positions, head_dim]: `rotary_table` of this layer's rope
-    ) -> torch.Tensor:  # [T, hidden]
+    ) -> torch.Tensor | PartialSums:  # [T, hidden]: the output projection's, for an RMSNorm to read
         if group.sliding_window != self.sliding_window:
             raise ValueError(
                 f"sliding_window: the layer has {self.sliding_window}, "
@@ -153,4 +154,4 @@ class Attention(nn.Module):
             kv_floor=group.kv_floor,
             max_query_len=attn_metadata.max_query_len,  # picks the tile: decode-shaped when it is 1
         )  # [T, H, head_dim]
-        return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
+        return project(self.o_proj, out.reshape(hidden.shape[0], self.num_heads * self.head_dim))

@@ -17,9 +17,10 @@ from torch import nn
 
 from raystate.config import ModelConfig
 from raystate.kernels.activation import act_and_mul
+from raystate.kernels.split_k import PartialSums
 from raystate.kv_layout import KVCacheGroupSpec, kv_cache_group_specs
 from raystate.model.attention import Attention, ForwardMetadata
-from raystate.model.layers import RMSNorm, TokenEmbedding, head_logits, logits_fp32, rotary_table
+from raystate.model.layers import RMSNorm, TokenEmbedding, head_logits, logits_fp32, project, rotary_table
 
 
 class GatedMLP(nn.Module):
@@ -33,6 +34,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
+
+    def forward_into_norm(self, x: torch.Tensor) -> torch.Tensor | PartialSums:  # [T, hidden]
+        """forward(x) for a caller that hands the result straight to an RMSNorm: the down projection may
+        come as split-K partial sums (`project`)."""
+        return project(self.down_proj, act_and_mul(self.gate_up_proj(x), self.act))
 
 
 class DecoderLMLayer(nn.Module):
@@ -83,20 +89,20 @@ class DecoderLMLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [T, hidden]: the last sublayer's output (the whole stream at layer 0)
+        hidden: torch.Tensor | PartialSums,  # [T, hidden]: the last sublayer's output (the stream at layer 0)
         residual: torch.Tensor | None,  # [T, hidden]: the stream before that output; None at layer 0
         positions: torch.Tensor,  # int64 [T]
         attn_metadata: ForwardMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         cos_sin: torch.Tensor,  # fp32 [max_positions, head_dim]: this layer type's rope table
         hidden_norm: RMSNorm | None = None,  # the previous layer's `output_norm`, not yet applied to hidden
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP block's output, the stream before it)
+    ) -> tuple[torch.Tensor | PartialSums, torch.Tensor]:  # (the MLP block's output, the stream before it)
         group = attn_metadata.groups[self.group_name]
         if self.layout == "post":
             stream = hidden if residual is None else hidden + residual
             attn_out = self.attn(stream, positions, attn_metadata, group, kv_cache, cos_sin)
             stream = stream + self.post_attn_norm(attn_out)
-            return self.post_mlp_norm(self.mlp(stream)), stream
+            return self.post_mlp_norm(self.mlp.forward_into_norm(stream)), stream
         if residual is None:
             residual = hidden
             normed = self.input_norm(hidden)
@@ -105,9 +111,9 @@ class DecoderLMLayer(nn.Module):
         attn_out = self.attn(normed, positions, attn_metadata, group, kv_cache, cos_sin)
         if self.layout == "pre":
             normed, residual = self.post_attn_norm.add_and_norm(attn_out, residual)
-            return self.mlp(normed), residual
+            return self.mlp.forward_into_norm(normed), residual
         normed, residual = self.pre_mlp_norm.add_and_norm(attn_out, residual, self.post_attn_norm)
-        return self.mlp(normed), residual  # un-normed: `output_norm` runs in the next launch
+        return self.mlp.forward_into_norm(normed), residual  # un-normed: `output_norm` runs next
 
     def attn_input(self, stream: torch.Tensor) -> torch.Tensor:
         """What the attention projects: the normed stream, or the stream itself ("post")."""

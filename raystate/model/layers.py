@@ -12,6 +12,7 @@ from torch import nn
 
 from raystate.kernels.activation import silu_and_mul
 from raystate.kernels.norm import rms_norm
+from raystate.kernels.split_k import PartialSums, split_k_linear, splits_for
 from raystate.model.rope import apply_rotary, rotary_table
 
 __all__ = [
@@ -21,8 +22,20 @@ __all__ = [
     "apply_rotary",
     "head_logits",
     "logits_fp32",
+    "project",
     "rotary_table",
 ]
+
+
+def project(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor | PartialSums:  # [T, K] -> [T, N]
+    """linear(x), or for a decode-sized x on the GPU and a bias-free projection too narrow to fill it,
+    the projection as split-K partial sums (`raystate.kernels.split_k`). Only for an output that goes
+    straight into an RMSNorm (`rms_norm` sums the partials in its launch)."""
+    if linear.bias is None:
+        splits = splits_for(x, linear.weight)
+        if splits > 1:
+            return split_k_linear(x, linear.weight, splits)
+    return linear(x)
 
 
 class RMSNorm(nn.Module):

@@ -143,3 +143,32 @@ def test_dense_oracle_equals_transformers(family, family_checkpoints):
     ids = prompt_ids(folder, 100, seed=3)
     ours = dense_forward(load_model(str(folder), "cpu", torch.float32), ids)
     torch.testing.assert_close(ours, hf_logits(folder, ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family", ["llama", "gemma3", "olmo3"]
+)  # the three norm layouts: pre, sandwich, post
+def test_split_k_projections_equal_transformers(family, family_checkpoints, expected, monkeypatch):
+    """The o and down projections as split-K partial sums (what a GPU decode step runs for narrow
+    projections, raystate.kernels.split_k), forced here on the CPU for every step at 2 slices: the norms
+    that read them sum them, and the tokens are transformers' in each norm layout."""
+    from raystate.kernels import split_k
+    from raystate.model import layers
+
+    calls = []
+
+    def two_slices(x, weight):
+        calls.append(weight.shape)
+        return 2
+
+    monkeypatch.setattr(layers, "splits_for", two_slices)
+    prompts, want = expected(family)
+    llm = _llm(family_checkpoints[family], enable_prefix_caching=False)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    config = llm.engine.worker.model.config
+    o_shape = (config.hidden_size, config.num_heads * config.head_dim)
+    down_shape = (config.hidden_size, config.intermediate_size)
+    assert {tuple(c) for c in calls} == {o_shape, down_shape}
+    assert split_k.splits_for(torch.zeros(4, 8), torch.zeros(8, 8)) == 1  # the real choice, on the CPU

@@ -110,8 +110,12 @@ def other_kernels() -> dict:
     w = torch.empty(2560, dtype=torch.bfloat16)
     compiled = {
         "rms_norm": norm._rms_norm_kernel.warmup(
-            x, x, x, x, w, w, 2560, 2560, 2560, 1e-6, 1.0, HAS_RESIDUAL=True, PRE_NORM=True, BLOCK=4096,
-            USE_PDL=True, launch_pdl=True, grid=(64,),
+            x, x, x, x, w, w, 2560, 0, 2560, 2560, 1e-6, 1.0, X_SPLITS=0, HAS_RESIDUAL=True, PRE_NORM=True,
+            BLOCK=4096, USE_PDL=True, launch_pdl=True, grid=(64,),
+        ),
+        "rms_norm of split-K partials": norm._rms_norm_kernel.warmup(
+            torch.empty(4, 64, 2560), x, x, x, w, w, 2560, 64 * 2560, 2560, 2560, 1e-6, 1.0, X_SPLITS=4,
+            HAS_RESIDUAL=True, PRE_NORM=True, BLOCK=4096, USE_PDL=True, launch_pdl=True, grid=(64,),
         ),
         "greedy chunk max": greedy._chunk_max_kernel.warmup(
             x, torch.empty(64, 1), torch.empty(64, 1, dtype=torch.int32), 2560, 2560, 1, BLOCK=4096,

@@ -39,6 +39,11 @@ def test_split_kernels_compile_for_sm90(tmp_path):
     for name, r in {**split, **combine}.items():
         assert r["pdl"] == both and r["cubin_bytes"] > 0, name
     others = {name: r for name, r in results.items() if not name.startswith(("split", "combine"))}
-    assert sorted(others) == ["greedy chunk max", "greedy row pick", "rms_norm"]
+    assert sorted(others) == [
+        "greedy chunk max",
+        "greedy row pick",
+        "rms_norm",
+        "rms_norm of split-K partials",
+    ]
     for name, r in others.items():
         assert r["pdl"] == both and r["cubin_bytes"] > 0, name

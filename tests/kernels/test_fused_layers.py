@@ -10,6 +10,7 @@ from raystate.kernels.activation import act_and_mul, act_and_mul_ref, silu_and_m
 from raystate.kernels.engram_gate import engram_gate, engram_gate_ref
 from raystate.kernels.norm import rms_norm, rms_norm_ref
 from raystate.kernels.rotary import rope_write_kv, rope_write_kv_ref
+from raystate.kernels.split_k import PartialSums, split_k_linear
 from raystate.model.layers import apply_rotary, rotary_table
 
 
@@ -90,6 +91,73 @@ def test_rms_norm_pre_weight_is_the_sandwich_norm_add_norm(on_device, dtype, sha
     chain, chain_summed = rms_norm_ref(normed_x, w, 1e-6, res, 1.0)
     assert torch.equal(ref, chain) and torch.equal(ref_summed, chain_summed)
     assert torch.equal(chain_summed, normed_x + res)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("shape", [(1, 8), (5, 130), (4, 2560)])
+def test_rms_norm_sums_split_k_partials_first(on_device, dtype, splits, shape):
+    """A split-K projection's fp32 partials into the norm: as if the norm had read their sum, rounded to
+    the projection's dtype (what the plain GEMM would have written), in all three of the norm's forms."""
+    gen = torch.Generator().manual_seed(shape[1] + splits)
+    parts = torch.randn((splits, *shape), generator=gen) * 8
+    # (a small stream: where x + residual cancels, one rounding of x apart is many of the sum's ulps, and
+    # Triton's interpreter rounds fp32 -> bf16 toward zero, the GPU to nearest even)
+    res = (torch.randn(shape, generator=gen) * 0.1).to(dtype)
+    w_pre, w = ((torch.randn(shape[1], generator=gen) * 0.3).to(dtype) for _ in range(2))
+    partial = PartialSums(on_device(parts), dtype)
+    total = PartialSums(parts, dtype).total()
+    assert total.dtype == dtype and total.shape == shape
+    torch.testing.assert_close(total.float(), parts.sum(0).to(dtype).float(), atol=0, rtol=0)
+    for kw in ({}, {"residual": res}, {"residual": res, "pre_weight": w_pre}):
+        got = rms_norm(
+            partial, on_device(w), 1e-6, weight_offset=1.0, **{k: on_device(v) for k, v in kw.items()}
+        )
+        want = rms_norm_ref(total, w, 1e-6, weight_offset=1.0, **kw)
+        assert got[0].dtype == dtype and got[0].shape == shape
+        _close(got[0], want[0], dtype)
+        if "residual" in kw:
+            _close(got[1], want[1], dtype)
+        else:
+            assert got[1] is None and want[1] is None
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_split_k_linear_partials_sum_to_the_projection(splits):
+    gen = torch.Generator().manual_seed(splits)
+    x = torch.randn(6, 64, generator=gen)
+    w = torch.randn(24, 64, generator=gen)
+    parts = split_k_linear(x, w, splits)
+    assert parts.parts.shape == (splits, 6, 24) and parts.dtype == torch.float32
+    torch.testing.assert_close(parts.total(), x @ w.T, rtol=1e-5, atol=1e-5)
+    # each partial is its own slice of K
+    part = 64 // splits
+    torch.testing.assert_close(parts.parts[-1], x[:, -part:] @ w[:, -part:].T, rtol=1e-5, atol=1e-5)
+    # a view of a wider buffer (the attention output reshaped, a row stride > K) is sliced the same way
+    wide = torch.randn(6, 80, generator=gen)
+    wide[:, :64] = x
+    torch.testing.assert_close(split_k_linear(wide[:, :64], w, splits).total(), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_split_k_refuses_a_split_that_does_not_divide_k():
+    with pytest.raises(ValueError, match="splits: 3 must divide K = 64"):
+        split_k_linear(torch.zeros(2, 64), torch.zeros(8, 64), 3)
+
+
+def test_split_k_count_splits_only_narrow_decode_projections():
+    from raystate.kernels.split_k import split_k_count, splits_for
+
+    # Gemma-3-4B on 132 SMs: o (2048 -> 2560) and down (10240 -> 2560) are 40 tiles of 64 columns
+    assert split_k_count(64, 2048, 2560, 132) == 2
+    assert split_k_count(64, 10240, 2560, 132) == 2
+    assert split_k_count(8, 12288, 4096, 132) == 2  # Qwen3-8B's down: 64 tiles
+    assert split_k_count(64, 2560, 20480, 132) == 1  # gate_up: 320 tiles already
+    assert split_k_count(64, 4096, 8448, 132) == 1  # 132 tiles: one per SM
+    assert split_k_count(65, 2048, 2560, 132) == 1  # more rows than a decode tile: cuBLAS as is
+    assert split_k_count(0, 2048, 2560, 132) == 1
+    assert split_k_count(8, 384, 2560, 132) == 1  # slices of 192
+    assert split_k_count(8, 2051, 2560, 132) == 1  # K odd
+    assert splits_for(torch.zeros(8, 2048), torch.zeros(2560, 2048)) == 1  # off the GPU: never
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

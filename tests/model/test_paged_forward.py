@@ -46,6 +46,15 @@ def test_paged_forward_matches_dense_on_default_kernels(tiny_model):
     check_paged_equals_dense(tiny_model, block_size=4, lengths=[40, 9, 23], max_chunk=9, seed=1)
 
 
+def test_paged_forward_with_split_k_projections_matches_dense(tiny_model, monkeypatch):
+    """Every o projection as 2 split-K partial sums, summed by the norm after it (forced here: the GPU's
+    decode steps choose it for narrow projections): the same logits, through the default kernels."""
+    from raystate.model import layers
+
+    monkeypatch.setattr(layers, "splits_for", lambda x, weight: 2)
+    check_paged_equals_dense(tiny_model, block_size=4, lengths=[40, 9], max_chunk=9, seed=5)
+
+
 @pytest.mark.parametrize("block_size", [16, 4])
 @pytest.mark.parametrize("seed", [2, 3])
 def test_paged_forward_matches_dense_any_chunking(tiny_model, monkeypatch, block_size, seed):

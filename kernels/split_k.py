@@ -1,0 +1,96 @@
+"""Decode projections split over K into fp32 partial sums, summed by the kernel that reads them next.
+
+Why: at decode sizes (a few dozen rows) a projection with a narrow output (Gemma-3-4B's o and down
+projections: 2560 columns, 40 tiles of 64) gives cuBLAS too few tiles for the GPU's SMs; it either leaves
+most SMs idle (o: 0.36 of the copy bandwidth on an H200) or splits K itself and launches a reduce kernel
+after the GEMM (down: 2.3 us and a launch gap a layer). Here the projection runs as S GEMMs over K slices
+in one strided batched launch (`torch.bmm` on views of x and the weight, no copy, fp32 out), and the
+S partials are summed by the consumer, which in every decoder layout is the fused residual-add RMSNorm
+(`raystate.kernels.norm.rms_norm` takes a `PartialSums` for x). The sum is rounded to the weights' dtype
+before anything else reads it, as the GEMM's own output would be.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+
+# RAYSTATE_SPLIT_K=0 (read at import) keeps every projection a plain GEMM; set_enabled does the same at run
+# time (benchmarks compare the two in one process). A CUDA graph keeps the launches it captured.
+_enabled = os.environ.get("RAYSTATE_SPLIT_K", "1") != "0"
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Turns split-K projections on or off for later calls; returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, enabled
+    return previous
+
+
+class PartialSums(NamedTuple):
+    """A projection's output as S fp32 partial sums over slices of K: out = sum(parts).to(dtype)."""
+
+    parts: torch.Tensor  # fp32 [S, T, N]
+    dtype: torch.dtype  # the projection's own output dtype (the weights')
+
+    @property
+    def shape(self) -> torch.Size:  # [T, N], the projection's
+        return self.parts.shape[1:]
+
+    def total(self) -> torch.Tensor:  # [T, N] in dtype: the projection's output
+        parts = self.parts
+        summed = parts[0]
+        for s in range(1, parts.shape[0]):
+            summed = summed + parts[s]  # in order, as the consumers' kernels add them
+        return summed.to(self.dtype)
+
+
+def split_k_linear(
+    x: torch.Tensor,  # [T, K], rows contiguous
+    weight: torch.Tensor,  # [N, K], an nn.Linear's (no bias)
+    splits: int,  # S: divides K
+) -> PartialSums:  # parts fp32 [S, T, N]
+    """x @ weight.T as S partial sums over equal slices of K, one batched GEMM on the GPU."""
+    num_tokens, k = x.shape
+    n = weight.shape[0]
+    if k % splits or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(f"splits: {splits} must divide K = {k}, with x and weight rows contiguous")
+    part = k // splits
+    # Slice s of x is x[:, s*part:(s+1)*part], of the weight its same columns: strided views, no copy.
+    xs = x.as_strided((splits, num_tokens, part), (part, x.stride(0), 1))  # [S, T, K/S]
+    ws = weight.as_strided((splits, part, n), (part, 1, weight.stride(0)))  # [S, K/S, N]
+    if x.is_cuda and x.dtype != torch.float32:
+        parts = torch.bmm(xs, ws, out_dtype=torch.float32)
+    else:  # (out_dtype is for half-precision inputs on CUDA) the same sums from fp32 copies
+        parts = torch.bmm(xs.float(), ws.float())
+    return PartialSums(parts, weight.dtype)
+
+
+def split_k_count(num_tokens: int, k: int, n: int, num_sms: int) -> int:
+    """S for a decode projection: 2 where the output is too narrow to give every SM a tile, else 1.
+
+    At up to 64 rows cuBLAS tiles the output 64 columns wide, so N / 64 tiles; below one per SM it idles
+    SMs or adds its own split-K reduce launch. Two slices were the best or within 2% of the best of
+    1-8 for every narrow projection timed (Gemma-3-4B's o and down, Qwen3-8B's o and down, at 64 and 8
+    rows; H100, `bench/bench_split_gemm.py`), and each more slice is another fp32 partial for the norm to
+    read. Slices shorter than 256 are not worth a GEMM's pipeline.
+    """
+    if not 0 < num_tokens <= 64 or -(-n // 64) >= num_sms or k % 2 or k // 2 < 256:
+        return 1
+    return 2
+
+
+@functools.lru_cache(maxsize=16)
+def _multiprocessors(device_index: int) -> int:
+    return max(1, torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def splits_for(x: torch.Tensor, weight: torch.Tensor) -> int:  # x [T, K], weight [N, K]
+    """S for the projection of x by weight on x's GPU: 1 off the GPU or when split-K is turned off."""
+    if not (_enabled and x.is_cuda):
+        return 1
+    n, k = weight.shape
+    return split_k_count(x.shape[0], k, n, _multiprocessors(x.device.index or 0))
