@@ -61,15 +61,20 @@ def time_projection(k: int, n: int, hbm: float) -> dict:
     return {"us": us, "of_hbm": floor_us / us, "floor_us": floor_us, "kernels": names}
 
 
+def layer_weights(shape: str) -> list[dict[str, torch.Tensor]]:
+    """Every layer's own four projection weights (name -> [N, K]), random."""
+    proj = projections(shape)
+    return [
+        {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for name, (k, n) in proj.items()
+         if name != "lm_head"}
+        for _ in range(SHAPES[shape][4])
+    ]  # fmt: skip
+
+
 def time_chain(shape: str, hbm: float) -> dict:
     """Every layer's four projections in order, with their own weights (the decode step's GEMMs)."""
     proj = projections(shape)
-    layers = SHAPES[shape][4]
-    weights = [
-        {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for name, (k, n) in proj.items()
-         if name != "lm_head"}
-        for _ in range(layers)
-    ]  # fmt: skip
+    weights = layer_weights(shape)
     x = torch.randn(ROWS, proj["qkv"][0], device="cuda", dtype=torch.bfloat16)
     q_width = proj["o"][0]
     inter = proj["down"][0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import statistics
 import time
 
@@ -216,30 +217,20 @@ def main() -> None:
             f"{args.batch / med:.0f} tokens/s",
             flush=True,
         )
+        layer_types = llm.engine.worker.model.config.layer_types
         del llm
         torch.cuda.empty_cache()
+        if args.profile and graphs:  # one more run of the same configuration, profiled
+            with step_variant(layout):
+                prof = run(True, async_scheduling, args.batch, args.context, args.steps, 3, args.model)[3]
+            print(f"[{label}]", end=" ")
+            print_profile(prof, 3, layer_types, floor)
+            torch.cuda.empty_cache()
     base = results.get("eager")
     for label in medians if base is not None else ():
         if label != "eager":
             same = sum(a == b for a, b in zip(results[label], base, strict=True))
             print(f"{label} vs eager: {same}/{args.batch} requests with identical tokens")
-    for label, graphs, async_scheduling, layout in CONFIGS if args.profile else ():
-        if label not in medians or not graphs:
-            continue
-        with step_variant(layout):
-            _, llm, _, prof = run(
-                graphs,
-                async_scheduling,
-                args.batch,
-                args.context,
-                args.steps,
-                profile_steps=3,
-                model=args.model,
-            )
-        print(f"[{label}]", end=" ")
-        print_profile(prof, 3, llm.engine.worker.model.config.layer_types, floor)
-        del llm
-        torch.cuda.empty_cache()
     if args.plot:
         plot(args.plot, medians, floor, args, name)
 
@@ -257,23 +248,15 @@ def step_variant(variant: str):
     if variant in ("default", "logprobs"):
         yield
         return
-    if variant == "no_pdl":
-        from raystate.kernels import _pdl
-
-        saved_pdl = _pdl.set_enabled(False)
+    if variant in ("no_pdl", "no_split_k"):  # a kernels module's own on/off switch
+        module = importlib.import_module(
+            "raystate.kernels." + {"no_pdl": "_pdl", "no_split_k": "split_k"}[variant]
+        )
+        saved = module.set_enabled(False)
         try:
             yield
         finally:
-            _pdl.set_enabled(saved_pdl)
-        return
-    if variant == "no_split_k":
-        from raystate.kernels import split_k
-
-        saved_split_k = split_k.set_enabled(False)
-        try:
-            yield
-        finally:
-            split_k.set_enabled(saved_split_k)
+            module.set_enabled(saved)
         return
     if variant == "fp32_greedy":
         from raystate.kernels.greedy import greedy_checked_ref

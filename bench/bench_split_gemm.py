@@ -18,7 +18,7 @@ import argparse
 import json
 
 import torch
-from bench_blas import ROWS, SHAPES, kernels_of, projections
+from bench_blas import ROWS, SHAPES, kernels_of, layer_weights, projections
 from bench_decode import copy_bandwidth, graph_time_us
 
 from raystate.kernels.split_k import split_k_linear
@@ -45,16 +45,6 @@ def time_split(k: int, n: int, hbm: float, rows: int) -> dict:
         names = kernels_of(lambda s=s: split_k_linear(x, copies[0], s))
         row[f"split{s}"] = {"us": us, "kernels": names, "max_err": err}
     return row
-
-
-def chain_weights(shape: str) -> list[dict[str, torch.Tensor]]:
-    """Every layer's own four projection weights."""
-    proj = projections(shape)
-    return [
-        {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for name, (k, n) in proj.items()
-         if name != "lm_head"}
-        for _ in range(SHAPES[shape][4])
-    ]  # fmt: skip
 
 
 def time_chain(shape: str, weights: list[dict[str, torch.Tensor]], o_split: int, down_split: int) -> float:
@@ -117,7 +107,7 @@ def main() -> None:
                         err = f" err {r['max_err']:.1e}" if "max_err" in r else ""
                         print(f"    {name:<8} {key:<7}{err} {' | '.join(k[:60] for k in r['kernels'])}")
         chains = {}
-        weights = chain_weights(shape)
+        weights = layer_weights(shape)
         for pair in args.chains:
             o_split, down_split = (int(v) for v in pair.split(","))
             if projections(shape)["o"][0] % o_split or projections(shape)["down"][0] % down_split:
