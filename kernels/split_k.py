@@ -21,6 +21,9 @@ import torch
 # RAYSTATE_SPLIT_K=0 (read at import) keeps every projection a plain GEMM; set_enabled does the same at run
 # time (benchmarks compare the two in one process). A CUDA graph keeps the launches it captured.
 _enabled = os.environ.get("RAYSTATE_SPLIT_K", "1") != "0"
+# torch.bmm takes out_dtype (fp32 out of half-precision inputs) from torch 2.8; an older torch keeps every
+# projection a plain GEMM.
+_BMM_OUT_DTYPE = torch.__version__ >= "2.8"
 
 
 def set_enabled(enabled: bool) -> bool:
@@ -90,7 +93,7 @@ def _multiprocessors(device_index: int) -> int:
 
 def splits_for(x: torch.Tensor, weight: torch.Tensor) -> int:  # x [T, K], weight [N, K]
     """S for the projection of x by weight on x's GPU: 1 off the GPU or when split-K is turned off."""
-    if not (_enabled and x.is_cuda):
+    if not (_enabled and _BMM_OUT_DTYPE and x.is_cuda):
         return 1
     n, k = weight.shape
     return split_k_count(x.shape[0], k, n, _multiprocessors(x.device.index or 0))
