@@ -76,10 +76,11 @@ def split_k_count(num_tokens: int, k: int, n: int, num_sms: int) -> int:
     """S for a decode projection: 2 where the output is too narrow to give every SM a tile, else 1.
 
     At up to 64 rows cuBLAS tiles the output 64 columns wide, so N / 64 tiles; below one per SM it idles
-    SMs or adds its own split-K reduce launch. Two slices were the best or within 2% of the best of
+    SMs or adds its own split-K reduce launch. Two slices were the best or within 3% of the best of
     1-8 for every narrow projection timed (Gemma-3-4B's o and down, Qwen3-8B's o and down, at 64 and 8
-    rows; H100, `bench/bench_split_gemm.py`), and each more slice is another fp32 partial for the norm to
-    read. Slices shorter than 256 are not worth a GEMM's pipeline.
+    rows; H100, `bench/bench_split_gemm.py`; Qwen3-8B's o at 64 rows gains nothing, 15.79 against
+    15.68 us), and each more slice is another fp32 partial for the norm to read. Slices shorter than 256
+    are not worth a GEMM's pipeline.
     """
     if not 0 < num_tokens <= 64 or -(-n // 64) >= num_sms or k % 2 or k // 2 < 256:
         return 1
