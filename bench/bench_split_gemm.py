@@ -55,18 +55,18 @@ def time_chain(shape: str, weights: list[dict[str, torch.Tensor]], o_split: int,
     attn = torch.randn(ROWS, q_width, device="cuda", dtype=torch.bfloat16)
     act = torch.randn(ROWS, inter, device="cuda", dtype=torch.bfloat16)
 
+    def project(inp: torch.Tensor, weight: torch.Tensor, splits: int) -> None:
+        if splits > 1:
+            split_k_linear(inp, weight, splits)
+        else:
+            torch.nn.functional.linear(inp, weight)
+
     def step(_i: int) -> None:
         for w in weights:
-            torch.nn.functional.linear(x, w["qkv"])
-            if o_split > 1:
-                split_k_linear(attn, w["o"], o_split)
-            else:
-                torch.nn.functional.linear(attn, w["o"])
-            torch.nn.functional.linear(x, w["gate_up"])
-            if down_split > 1:
-                split_k_linear(act, w["down"], down_split)
-            else:
-                torch.nn.functional.linear(act, w["down"])
+            project(x, w["qkv"], 1)
+            project(attn, w["o"], o_split)
+            project(x, w["gate_up"], 1)
+            project(act, w["down"], down_split)
 
     return graph_time_us(step, 1, replays=10)
 

@@ -12,11 +12,12 @@ before anything else reads it, as the GEMM's own output would be.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
 import torch
+
+from raystate.kernels.attention_launch import device_limits
 
 # RAYSTATE_SPLIT_K=0 (read at import) keeps every projection a plain GEMM; set_enabled does the same at run
 # time (benchmarks compare the two in one process). A CUDA graph keeps the launches it captured.
@@ -87,14 +88,10 @@ def split_k_count(num_tokens: int, k: int, n: int, num_sms: int) -> int:
     return 2
 
 
-@functools.lru_cache(maxsize=16)
-def _multiprocessors(device_index: int) -> int:
-    return max(1, torch.cuda.get_device_properties(device_index).multi_processor_count)
-
-
 def splits_for(x: torch.Tensor, weight: torch.Tensor) -> int:  # x [T, K], weight [N, K]
-    """S for the projection of x by weight on x's GPU: 1 off the GPU or when split-K is turned off."""
-    if not (_enabled and _BMM_OUT_DTYPE and x.is_cuda):
+    """S for the projection of x by weight on x's GPU: 1 off the GPU, when split-K is turned off, or
+    when either's rows are not contiguous (the slices are strided views of them)."""
+    if not (_enabled and _BMM_OUT_DTYPE and x.is_cuda and x.stride(-1) == 1 and weight.stride(-1) == 1):
         return 1
     n, k = weight.shape
-    return split_k_count(x.shape[0], k, n, _multiprocessors(x.device.index or 0))
+    return split_k_count(x.shape[0], k, n, device_limits(x.device.index or 0)[1])

@@ -31,7 +31,7 @@ def project(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor | PartialSums:  
     """linear(x), or for a decode-sized x on the GPU and a bias-free projection too narrow to fill it,
     the projection as split-K partial sums (`raystate.kernels.split_k`). Only for an output that goes
     straight into an RMSNorm (`rms_norm` sums the partials in its launch)."""
-    if linear.bias is None and x.stride(-1) == 1 and linear.weight.stride(-1) == 1:
+    if linear.bias is None:
         splits = splits_for(x, linear.weight)
         if splits > 1:
             return split_k_linear(x, linear.weight, splits)
