@@ -430,6 +430,125 @@ def wide_head_decode(args, hbm) -> list[dict]:
     return rows
 
 
+@triton.jit
+def _stream_loop_kernel(src_ptr, dst_ptr, elems, STEP: tl.constexpr):
+    """Program p sums src[p * elems : (p + 1) * elems] (bf16) in STEP-element loads, in a pipelined loop:
+    a plain read of large spans with nothing but the bytes on its critical path."""
+    base = src_ptr + tl.program_id(0).to(tl.int64) * elems
+    total = tl.zeros([STEP], tl.float32)
+    for i in tl.range(0, elems, STEP, num_stages=3):
+        total += tl.load(base + i + tl.arange(0, STEP)).to(tl.float32)
+    tl.store(dst_ptr + tl.program_id(0), tl.sum(total, 0))
+
+
+# A decode launch's fixed cost: (label, q heads, kv heads, head dim) at batch 64, 4k context, over windows.
+FIXED_COST_HEADS = (("gemma", 8, 4, 256), ("bench", 16, 4, 128))
+FIXED_COST_WINDOWS = (256, 512, 1024, 2048, 0)
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys over xs."""
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def _rope_then_attend(problem: Problem, slots: torch.Tensor, rope: tuple) -> None:
+    """The rotation + KV store kernel (each row's newest key written to its slot, `slots`), then the
+    attention call: the two launches of a decode layer in a row."""
+    from raystate.kernels.rotary import rope_write_kv
+
+    qkv, positions, cos_sin, q_heads, kv_heads = rope
+    rope_write_kv(qkv, positions, cos_sin, q_heads, kv_heads, problem.inputs[1], problem.inputs[2], slots)
+    problem.run()
+
+
+def _plain_read_us(src: torch.Tensor, sink: torch.Tensor, programs: int, per: int, stride: int, copies: int):
+    """us per call of a plain read of programs x per bf16 elements, each call at its own offset."""
+    return graph_time_us(
+        lambda i: _stream_loop_kernel[(programs,)](src[(i % copies) * stride :], sink, per, STEP=4096),
+        2 * copies,
+    )
+
+
+def fixed_cost(args, hbm) -> list[dict]:
+    """Decode attention at batch 64, 4k context, over windows of 256-4096 keys: time per call against the
+    KV bytes read, fitted as t = t0 + bytes / bandwidth, for the launch as shipped and with PDL off, each
+    alone (back-to-back calls over copies, in a CUDA graph) and after the rotation + KV store kernel, as a
+    decode layer runs it; beside them a plain read of the same bytes over as many programs (one per row
+    and kv head), the floor for a launch of that shape. t0 is what a launch costs beyond its bytes: paid
+    once a layer, it is most of what separates a 1024-key window's attention from the copy bandwidth."""
+    rows = []
+    for label, q_heads, kv_heads, head_dim in FIXED_COST_HEADS:
+        heads = argparse.Namespace(
+            **{**vars(args), "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim}
+        )
+        variants = ("shipped", "PDL off")
+        fits: dict[str, list[tuple[float, float]]] = {f"{v}{m}": [] for v in variants for m in ("", " +rope")}
+        fits["plain read"] = []
+        for window in FIXED_COST_WINDOWS:
+            one = Problem(64, 1, 4096, window, heads)
+            copies = [one] + [
+                Problem(64, 1, 4096, window, heads) for _ in range(max(1, (160 << 20) // one.kv_bytes()))
+            ]
+            kv_bytes = one.kv_bytes()
+            # A rotation launch before each call, as a layer runs: qkv of 64 tokens, each written to the
+            # slot of its row's newest key.
+            qkv = torch.randn(64, (q_heads + 2 * kv_heads) * head_dim, device="cuda", dtype=torch.bfloat16)
+            positions = torch.full((64,), 4095, dtype=torch.int64, device="cuda")
+            cos_sin = torch.randn(4096, head_dim, device="cuda")
+            newest = 4095  # each row's newest key: the one the rotation kernel writes
+            slots = [
+                p.inputs[3][:, newest // args.block_size].long() * args.block_size + newest % args.block_size
+                for p in copies
+            ]
+            rope = (qkv, positions, cos_sin, q_heads, kv_heads)
+            for p, sl in zip(copies, slots, strict=True):  # the newest keys as every timed call leaves them
+                _rope_then_attend(p, sl, rope)
+            ref = one.run().clone()
+            row = {"case": f"{label} B=64 ctx=4096 W={window}", "kv_MB": kv_bytes / 1e6}
+            for name in variants:
+                saved_pdl = _pdl.set_enabled(name != "PDL off")
+                try:
+                    diff = (one.run().float() - ref.float()).abs().max().item()
+                    assert diff == 0.0, f"{name}: differs from the shipped launch by {diff}"
+                    us = graph_time_us(lambda i, c=copies: c[i % len(c)].run(), 2 * len(copies))
+                    pair_us = graph_time_us(
+                        lambda i, c=copies, sl=slots, r=rope: _rope_then_attend(
+                            c[i % len(c)], sl[i % len(c)], r
+                        ),
+                        2 * len(copies),
+                    )
+                finally:
+                    _pdl.set_enabled(saved_pdl)
+                row[name], row[f"{name} +rope"] = us, pair_us
+                fits[name].append((kv_bytes, us))
+                fits[f"{name} +rope"].append((kv_bytes, pair_us))
+            src = torch.randn(len(copies) * kv_bytes // 2 + 4096, device="cuda", dtype=torch.bfloat16)
+            sink = torch.empty(64 * kv_heads, device="cuda")
+            per = kv_bytes // 2 // (64 * kv_heads) // 4096 * 4096
+            read = _plain_read_us(src, sink, 64 * kv_heads, per, kv_bytes // 2, len(copies))
+            row["plain read"] = read * kv_bytes / (64 * kv_heads * per * 2)  # scaled to the same bytes
+            fits["plain read"].append((kv_bytes, row["plain read"]))
+            rows.append(row)
+            print(
+                f"{row['case']:<28} {kv_bytes / 1e6:7.1f} MB  "
+                + "  ".join(f"{k}: {v:.2f}" for k, v in row.items() if isinstance(v, float) and k != "kv_MB"),
+                flush=True,
+            )
+            del copies, src
+            torch.cuda.empty_cache()
+        for name, points in fits.items():
+            t0, slope = _fit_line([b for b, _ in points], [t for _, t in points])
+            bw = 1e6 / slope if slope > 0 else float("nan")  # slope: us per byte
+            print(
+                f"  {label} {name:<24} t0 {t0:6.2f} us, {bw / 1e9:6.0f} GB/s ({bw / hbm:.2f} of copy)",
+                flush=True,
+            )
+            rows.append({"case": f"{label} fit", "variant": name, "t0_us": t0, "GBps": bw / 1e9})
+    return rows
+
+
 def prefill_variants() -> list[AttentionLaunch]:
     """Tile-layout candidates for PREFILL_LAUNCH (10): 64 or 128 score rows x 64 or 128 keys, on 4 warps
     for 64 x 64 and 8 for the rest (64 x 128 and 128 x 64 on 4 warps spill registers: ptxas for sm_90,
@@ -654,6 +773,11 @@ def main() -> None:
         help="block tables this many keys wide (the model's max_model_len; 0: each problem's context)",
     )
     parser.add_argument(
+        "--fixed-cost",
+        action="store_true",
+        help="only a decode launch's fixed cost at batch 64 over windows (PDL on and off, a plain read)",
+    )
+    parser.add_argument(
         "--eager-check", action="store_true", help="only time batch 1 and 8 eager, in a graph and per kernel"
     )
     args = parser.parse_args()
@@ -664,6 +788,13 @@ def main() -> None:
 
     hbm = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {hbm / 1e9:.0f} GB/s")
+    if args.fixed_cost:
+        print("\n== decode at batch 64: us per call in a CUDA graph, fitted t0 + bytes / bandwidth")
+        rows = fixed_cost(args, hbm)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "fixed_cost": rows}, f, indent=1)
+        return
     sweep_rows = sweep(args, hbm) if args.sweep else []
     layout_rows = []
     if not args.split_only:

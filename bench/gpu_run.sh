@@ -2,7 +2,7 @@
 # Everything that needs the GPU machine (one H200), in one call: the CUDA tests, then every GPU benchmark,
 # logs, JSON and plots into $OUT (or ./out). From the repo root, with .whl/ carried
 # (../shared/device/make-wheels.sh builds it):
-#   bash bench/gpu_run.sh [tests|split_tests|pdl_tests|kv_auto|dispatch|attention|attention_split|blas|gemm|kernels|pdl|decode|decode_small|logprobs|prefix|throughput|hf|hf_blas|hf_pdl|serve_profile|serve_replicas|cold ...]
+#   bash bench/gpu_run.sh [tests|split_tests|pdl_tests|kv_auto|dispatch|attention|attention_split|fixed_cost|attention_tests|blas|gemm|kernels|pdl|decode|decode_small|logprobs|prefix|throughput|hf|hf_blas|hf_pdl|serve_profile|serve_replicas|cold ...]
 #   (default: all but hf, cold, decode_small and logprobs)
 set -o pipefail
 . bench/gpu_setup.sh || exit 1
@@ -36,6 +36,14 @@ for part in $parts; do
     attention_split)  # read floors, split-KV cases (split count x key step x stages, PDL combine on/off), Gemma's heads
       timeout 300 python3 bench/bench_attention.py --split-only --split-tune --json "$OUT/attention_split.json" 2>&1 \
         | tee "$OUT/attention_split.log" | tail -60 ;;
+    fixed_cost)  # a batch-64 decode launch's fixed cost over windows: PDL on/off, after the rotation kernel, a plain read
+      timeout ${FIXED_TIMEOUT:-300} python3 bench/bench_attention.py --fixed-cost --json "$OUT/attention_fixed_cost.json" 2>&1 \
+        | tee "$OUT/attention_fixed_cost.log" | tail -40 ;;
+    attention_tests)  # the attention kernels compiled (one-launch, split) and the decode graph path
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rfE --durations=5 -p no:cacheprovider -p no:benchmark -n 16 \
+        --timeout ${TEST_TIMEOUT:-250} tests/kernels/test_attention.py tests/kernels/test_attention_split.py \
+        tests/worker/test_decode_graph_path.py tests/worker/test_cudagraph_gpu.py 2>&1 \
+        | tee "$OUT/gpu_tests_attention.log" | tail -12 ;;
     blas)  # the decode projections under cuBLAS and cuBLASLt
       timeout 200 python3 bench/bench_blas.py --json "$OUT/blas.json" 2>&1 | tee "$OUT/blas.log" | tail -40 ;;
     cold)  # LLM(...) to its first token by phase, cold and warm Triton cache
