@@ -2,7 +2,7 @@
 # Everything that needs the GPU machine (one H200), in one call: the CUDA tests, then every GPU benchmark,
 # logs, JSON and plots into $OUT (or ./out). From the repo root, with .whl/ carried
 # (../shared/device/make-wheels.sh builds it):
-#   bash bench/gpu_run.sh [tests|split_tests|pdl_tests|kv_auto|dispatch|attention|attention_split|fixed_cost|attention_tests|blas|gemm|kernels|pdl|decode|decode_small|logprobs|prefix|throughput|hf|hf_blas|hf_pdl|serve_profile|serve_replicas|cold ...]
+#   bash bench/gpu_run.sh [tests|split_tests|pdl_tests|kv_auto|dispatch|attention|attention_split|fixed_cost|attention_tests|ncu_attention|blas|gemm|kernels|pdl|decode|decode_small|logprobs|prefix|throughput|hf|hf_blas|hf_pdl|serve_profile|serve_replicas|cold ...]
 #   (default: all but hf, cold, decode_small and logprobs)
 set -o pipefail
 . bench/gpu_setup.sh || exit 1
@@ -44,6 +44,14 @@ for part in $parts; do
         --timeout ${TEST_TIMEOUT:-250} tests/kernels/test_attention.py tests/kernels/test_attention_split.py \
         tests/worker/test_decode_graph_path.py tests/worker/test_cudagraph_gpu.py 2>&1 \
         | tee "$OUT/gpu_tests_attention.log" | tail -12 ;;
+    ncu_attention)  # Nsight Compute on one batch-64 decode attention launch of Gemma's heads (W 1024, full 4k)
+      for w in 1024 0; do
+        timeout 150 ncu --clock-control none --kernel-name regex:_paged_attention --launch-skip 3 --launch-count 1 \
+          --set full -f -o "$OUT/ncu_attention_w$w" python3 bench/ncu_attention.py --window $w 2>&1 | tail -3
+        ncu --import "$OUT/ncu_attention_w$w.ncu-rep" --page details > "$OUT/ncu_attention_w$w.txt" 2>&1
+        grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued" \
+          "$OUT/ncu_attention_w$w.txt" | head -20
+      done ;;
     blas)  # the decode projections under cuBLAS and cuBLASLt
       timeout 200 python3 bench/bench_blas.py --json "$OUT/blas.json" 2>&1 | tee "$OUT/blas.log" | tail -40 ;;
     cold)  # LLM(...) to its first token by phase, cold and warm Triton cache
