@@ -8,6 +8,7 @@ call reads HBM) and the whole model's chain of projections as a decode step runs
 weights, no attention), with the kernels each projection launches (torch.profiler).
 
     python3 bench/bench_blas.py --shape gemma3-4b qwen3-8b
+    python3 bench/bench_blas.py --layouts    # each weight as stored ([N, K]) against transposed ([K, N])
 """
 
 from __future__ import annotations
@@ -93,14 +94,71 @@ def time_chain(shape: str, hbm: float) -> dict:
     return {"us": us, "of_hbm": floor_us / us, "floor_us": floor_us, "GB": bytes_ / 1e9}
 
 
+def time_layouts(k: int, n: int, hbm: float) -> dict:
+    """One projection with its weight as the model stores it ([N, K], nn.Linear's: x @ W.T) and stored
+    transposed ([K, N] contiguous: x @ Wt), under the library torch picks now. The two layouts are the
+    same product; cuBLAS's heuristic sees a different problem (TN against NN) and may pick another kernel."""
+    x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
+    count = max(2, (160 << 20) // (k * n * 2))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+    transposed = [w.t().contiguous() for w in weights]  # [K, N]
+    out = torch.empty(ROWS, n, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(torch.nn.functional.linear(x, weights[0]), torch.mm(x, transposed[0])), (
+        "layouts differ"
+    )
+    floor_us = k * n * 2 / hbm * 1e6
+    row = {"floor_us": floor_us}
+    calls = {
+        "[N, K]": lambda i: torch.nn.functional.linear(x, weights[i % count], out=out),
+        "[K, N]": lambda i: torch.mm(x, transposed[i % count], out=out),
+    }
+    for name, fn in calls.items():
+        us = graph_time_us(fn, 2 * count)
+        row[name] = {"us": us, "of_hbm": floor_us / us, "kernels": kernels_of(lambda f=fn: f(0))}
+    return row
+
+
+def layouts(shapes: list[str], hbm: float) -> dict:
+    """time_layouts for every projection of each shape; prints one line a projection."""
+    result = {}
+    for shape in shapes:
+        print(
+            f"\n== {shape}: M = {ROWS}, bf16, weight [N, K] (as stored) against [K, N] (us; share of copy bw)"
+        )
+        rows = {}
+        for name, (k, n) in projections(shape).items():
+            row = rows[name] = time_layouts(k, n, hbm)
+            a, b = row["[N, K]"], row["[K, N]"]
+            print(
+                f"{name:<8} floor {row['floor_us']:8.2f} us  [N, K] {a['us']:8.2f} us ({a['of_hbm']:.2f})  "
+                f"[K, N] {b['us']:8.2f} us ({b['of_hbm']:.2f})  x{b['us'] / a['us']:.3f}  "
+                f"{' | '.join(k[:48] for k in a['kernels'])}  ->  {' | '.join(k[:48] for k in b['kernels'])}",
+                flush=True,
+            )
+        result[shape] = rows
+        torch.cuda.empty_cache()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument(
+        "--layouts",
+        action="store_true",
+        help="only each weight as stored ([N, K]) against transposed ([K, N])",
+    )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "a GPU benchmark"
     hbm = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {hbm / 1e9:.0f} GB/s; torch {torch.__version__}")
+    if args.layouts:
+        result = {"copy_GBps": hbm / 1e9, "layouts": layouts(args.shape, hbm)}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     result: dict = {"copy_GBps": hbm / 1e9, "shapes": {}}
     for shape in args.shape:
         rows: dict = {}

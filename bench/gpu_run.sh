@@ -2,7 +2,7 @@
 # Everything that needs the GPU machine (one H200), in one call: the CUDA tests, then every GPU benchmark,
 # logs, JSON and plots into $OUT (or ./out). From the repo root, with .whl/ carried
 # (../shared/device/make-wheels.sh builds it):
-#   bash bench/gpu_run.sh [tests|split_tests|pdl_tests|kv_auto|dispatch|attention|attention_split|fixed_cost|attention_tests|ncu_attention|blas|gemm|kernels|pdl|decode|decode_small|logprobs|prefix|throughput|hf|hf_blas|hf_pdl|serve_profile|serve_replicas|cold ...]
+#   bash bench/gpu_run.sh [tests|split_tests|pdl_tests|kv_auto|dispatch|attention|attention_split|fixed_cost|attention_tests|ncu_attention|blas|blas_layouts|gemm|kernels|pdl|decode|decode_small|logprobs|prefix|throughput|hf|hf_blas|hf_pdl|serve_profile|serve_replicas|cold ...]
 #   (default: all but hf, cold, decode_small and logprobs)
 set -o pipefail
 . bench/gpu_setup.sh || exit 1
@@ -54,6 +54,8 @@ for part in $parts; do
       done ;;
     blas)  # the decode projections under cuBLAS and cuBLASLt
       timeout 200 python3 bench/bench_blas.py --json "$OUT/blas.json" 2>&1 | tee "$OUT/blas.log" | tail -40 ;;
+    blas_layouts)  # the decode projections with the weight as stored ([N, K]) against transposed ([K, N])
+      timeout 200 python3 bench/bench_blas.py --layouts --json "$OUT/blas_layouts.json" 2>&1 | tee "$OUT/blas_layouts.log" | tail -14 ;;
     cold)  # LLM(...) to its first token by phase, cold and warm Triton cache
       timeout 400 python3 bench/bench_cold_start.py --json "$OUT/cold_start.json" 2>&1 | tee "$OUT/cold_start.log" | tail -6 ;;
     gemm)
