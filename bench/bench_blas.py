@@ -103,9 +103,8 @@ def time_layouts(k: int, n: int, hbm: float) -> dict:
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
     transposed = [w.t().contiguous() for w in weights]  # [K, N]
     out = torch.empty(ROWS, n, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(torch.nn.functional.linear(x, weights[0]), torch.mm(x, transposed[0])), (
-        "layouts differ"
-    )
+    a, b = torch.nn.functional.linear(x, weights[0]).float(), torch.mm(x, transposed[0]).float()
+    assert (a - b).norm() <= 1e-2 * a.norm(), "the two layouts give different products"
     floor_us = k * n * 2 / hbm * 1e6
     row = {"floor_us": floor_us}
     calls = {
