@@ -41,6 +41,7 @@ from bench_decode import copy_bandwidth, graph_time_us
 
 from raystate.kernels import _pdl, attention, cdiv, next_pow2, paged_attention
 from raystate.kernels.attention_launch import AttentionLaunch, device_limits, launch_config, plan_launch
+from raystate.kernels.rotary import rope_write_kv
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PREFILL_SWEEP = ((1, 4096), (1, 8192), (1, 16384), (4, 4096))  # (rows, tokens per row), causal
@@ -456,8 +457,6 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 def _rope_then_attend(problem: Problem, slots: torch.Tensor, rope: tuple) -> None:
     """The rotation + KV store kernel (each row's newest key written to its slot, `slots`), then the
     attention call: the two launches of a decode layer in a row."""
-    from raystate.kernels.rotary import rope_write_kv
-
     qkv, positions, cos_sin, q_heads, kv_heads = rope
     rope_write_kv(qkv, positions, cos_sin, q_heads, kv_heads, problem.inputs[1], problem.inputs[2], slots)
     problem.run()
@@ -494,10 +493,10 @@ def fixed_cost(args, hbm) -> list[dict]:
             kv_bytes = one.kv_bytes()
             # A rotation launch before each call, as a layer runs: qkv of 64 tokens, each written to the
             # slot of its row's newest key.
-            qkv = torch.randn(64, (q_heads + 2 * kv_heads) * head_dim, device="cuda", dtype=torch.bfloat16)
-            positions = torch.full((64,), 4095, dtype=torch.int64, device="cuda")
-            cos_sin = torch.randn(4096, head_dim, device="cuda")
             newest = 4095  # each row's newest key: the one the rotation kernel writes
+            qkv = torch.randn(64, (q_heads + 2 * kv_heads) * head_dim, device="cuda", dtype=torch.bfloat16)
+            positions = torch.full((64,), newest, dtype=torch.int64, device="cuda")
+            cos_sin = torch.randn(newest + 1, head_dim, device="cuda")
             slots = [
                 p.inputs[3][:, newest // args.block_size].long() * args.block_size + newest % args.block_size
                 for p in copies

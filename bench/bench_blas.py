@@ -50,11 +50,18 @@ def kernels_of(fn) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def weight_copies(k: int, n: int) -> list[torch.Tensor]:
+    """Random bf16 [N, K] weights, at least two and >= 160 MB in all: a CUDA graph that cycles through
+    them reads every call's weight from HBM, not from L2."""
+    count = max(2, (160 << 20) // (k * n * 2))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+
+
 def time_projection(k: int, n: int, hbm: float) -> dict:
     x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
     bytes_ = k * n * 2
-    count = max(2, (160 << 20) // bytes_)
-    copies = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+    copies = weight_copies(k, n)
+    count = len(copies)
     out = torch.empty(ROWS, n, device="cuda", dtype=torch.bfloat16)
     us = graph_time_us(lambda i: torch.nn.functional.linear(x, copies[i % count], out=out), 2 * count)
     names = kernels_of(lambda: torch.nn.functional.linear(x, copies[0], out=out))
@@ -99,8 +106,8 @@ def time_layouts(k: int, n: int, hbm: float) -> dict:
     transposed ([K, N] contiguous: x @ Wt), under the library torch picks now. The two layouts are the
     same product; cuBLAS's heuristic sees a different problem (TN against NN) and may pick another kernel."""
     x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
-    count = max(2, (160 << 20) // (k * n * 2))
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+    weights = weight_copies(k, n)
+    count = len(weights)
     transposed = [w.t().contiguous() for w in weights]  # [K, N]
     out = torch.empty(ROWS, n, device="cuda", dtype=torch.bfloat16)
     a, b = torch.nn.functional.linear(x, weights[0]).float(), torch.mm(x, transposed[0]).float()

@@ -18,7 +18,7 @@ import argparse
 import json
 
 import torch
-from bench_blas import ROWS, SHAPES, kernels_of, layer_weights, projections
+from bench_blas import ROWS, SHAPES, kernels_of, layer_weights, projections, weight_copies
 from bench_decode import copy_bandwidth, graph_time_us
 
 from raystate.kernels.split_k import split_k_linear
@@ -29,8 +29,8 @@ SPLITS = (1, 2, 3, 4, 5, 6, 8)
 def time_split(k: int, n: int, hbm: float, rows: int) -> dict:
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     bytes_ = k * n * 2
-    count = max(2, (160 << 20) // bytes_)
-    copies = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+    copies = weight_copies(k, n)
+    count = len(copies)
     floor_us = bytes_ / hbm * 1e6
     out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
     us = graph_time_us(lambda i: torch.nn.functional.linear(x, copies[i % count], out=out), 2 * count)
