@@ -9,6 +9,7 @@ weights, no attention), with the kernels each projection launches (torch.profile
 
     python3 bench/bench_blas.py --shape gemma3-4b qwen3-8b
     python3 bench/bench_blas.py --layouts    # each weight as stored ([N, K]) against transposed ([K, N])
+    python3 bench/bench_blas.py --layouts --rows 1 8 64 2048   # the same at other row counts (prefill too)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import argparse
 import json
 
 import torch
-from bench_decode import copy_bandwidth, graph_time_us
+from bench_decode import copy_bandwidth, graph_time_us, matmul_rate
 
 # (hidden, q heads x head dim, kv heads x head dim, intermediate, layers, vocab) of the real configs.
 SHAPES = {
@@ -101,18 +102,20 @@ def time_chain(shape: str, hbm: float) -> dict:
     return {"us": us, "of_hbm": floor_us / us, "floor_us": floor_us, "GB": bytes_ / 1e9}
 
 
-def time_layouts(k: int, n: int, hbm: float) -> dict:
+def time_layouts(k: int, n: int, hbm: float, flops: float, rows: int = ROWS) -> dict:
     """One projection with its weight as the model stores it ([N, K], nn.Linear's: x @ W.T) and stored
     transposed ([K, N] contiguous: x @ Wt), under the library torch picks now. The two layouts are the
-    same product; cuBLAS's heuristic sees a different problem (TN against NN) and may pick another kernel."""
-    x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
+    same product; cuBLAS's heuristic sees a different problem (TN against NN) and may pick another kernel.
+    `floor_us` is the weight's bytes over the copy bandwidth, or its FLOPs at the bf16 matmul rate where
+    `rows` makes that longer (a prefill-sized M)."""
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     weights = weight_copies(k, n)
     count = len(weights)
     transposed = [w.t().contiguous() for w in weights]  # [K, N]
-    out = torch.empty(ROWS, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
     a, b = torch.nn.functional.linear(x, weights[0]).float(), torch.mm(x, transposed[0]).float()
     assert (a - b).norm() <= 1e-2 * a.norm(), "the two layouts give different products"
-    floor_us = k * n * 2 / hbm * 1e6
+    floor_us = max(k * n * 2 / hbm, 2 * rows * k * n / flops) * 1e6
     row = {"floor_us": floor_us}
     calls = {
         "[N, K]": lambda i: torch.nn.functional.linear(x, weights[i % count], out=out),
@@ -124,25 +127,36 @@ def time_layouts(k: int, n: int, hbm: float) -> dict:
     return row
 
 
-def layouts(shapes: list[str], hbm: float) -> dict:
-    """time_layouts for every projection of each shape; prints one line a projection."""
+def layouts(shapes: list[str], hbm: float, flops: float, row_counts: list[int]) -> dict:
+    """time_layouts for every projection of each shape at each row count; prints one line a projection,
+    then each shape's sum over one decode step's projections (every layer's four and the head)."""
     result = {}
     for shape in shapes:
-        print(
-            f"\n== {shape}: M = {ROWS}, bf16, weight [N, K] (as stored) against [K, N] (us; share of copy bw)"
-        )
-        rows = {}
-        for name, (k, n) in projections(shape).items():
-            row = rows[name] = time_layouts(k, n, hbm)
-            a, b = row["[N, K]"], row["[K, N]"]
+        layers = SHAPES[shape][4]
+        for m in row_counts:
+            print(f"\n== {shape}: M = {m}, bf16, weight [N, K] (as stored) against [K, N] (us; of the floor)")
+            rows = {}
+            for name, (k, n) in projections(shape).items():
+                row = rows[name] = time_layouts(k, n, hbm, flops, m)
+                a, b = row["[N, K]"], row["[K, N]"]
+                print(
+                    f"{name:<8} floor {row['floor_us']:8.2f} us  "
+                    f"[N, K] {a['us']:8.2f} us ({a['of_hbm']:.2f})  "
+                    f"[K, N] {b['us']:8.2f} us ({b['of_hbm']:.2f})  x{b['us'] / a['us']:.3f}  "
+                    f"{' | '.join(k[:48] for k in a['kernels'])}  ->  "
+                    f"{' | '.join(k[:48] for k in b['kernels'])}",
+                    flush=True,
+                )
+            step = {
+                lay: sum(r[lay]["us"] * (1 if name == "lm_head" else layers) for name, r in rows.items())
+                for lay in ("[N, K]", "[K, N]")
+            }
             print(
-                f"{name:<8} floor {row['floor_us']:8.2f} us  [N, K] {a['us']:8.2f} us ({a['of_hbm']:.2f})  "
-                f"[K, N] {b['us']:8.2f} us ({b['of_hbm']:.2f})  x{b['us'] / a['us']:.3f}  "
-                f"{' | '.join(k[:48] for k in a['kernels'])}  ->  {' | '.join(k[:48] for k in b['kernels'])}",
-                flush=True,
+                f"a step's projections ({layers} layers + head): [N, K] {step['[N, K]']:.1f} us, "
+                f"[K, N] {step['[K, N]']:.1f} us, x{step['[K, N]'] / step['[N, K]']:.3f}"
             )
-        result[shape] = rows
-        torch.cuda.empty_cache()
+            result[f"{shape} M={m}"] = rows
+            torch.cuda.empty_cache()
     return result
 
 
@@ -155,12 +169,15 @@ def main() -> None:
         action="store_true",
         help="only each weight as stored ([N, K]) against transposed ([K, N])",
     )
+    parser.add_argument("--rows", type=int, nargs="+", default=[ROWS], help="M of the --layouts products")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "a GPU benchmark"
     hbm = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {hbm / 1e9:.0f} GB/s; torch {torch.__version__}")
     if args.layouts:
-        result = {"copy_GBps": hbm / 1e9, "layouts": layouts(args.shape, hbm)}
+        flops = matmul_rate()
+        print(f"bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+        result = {"copy_GBps": hbm / 1e9, "layouts": layouts(args.shape, hbm, flops, args.rows)}
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)

@@ -153,7 +153,9 @@ def run(
 # torch issue the projections through cuBLASLt instead of cuBLAS (bench_blas.py times both); "no PDL"
 # launches every kernel plainly (RAYSTATE_PDL=0); "fp32 greedy" takes the greedy ids as before 2026-12-05
 # (the head's output converted to fp32, then torch's row max); "no split-K" runs every projection as one
-# plain GEMM (RAYSTATE_SPLIT_K=0; raystate.kernels.split_k). Those six are run only when named in --configs.
+# plain GEMM (RAYSTATE_SPLIT_K=0; raystate.kernels.split_k); "weights as stored" keeps every projection's
+# weight row-major as loaded (RAYSTATE_WEIGHT_LAYOUT=as_stored; raystate.model.weight_layout). Those seven
+# are run only when named in --configs.
 CONFIGS = (
     ("graphs + async", True, True, "default"),
     ("graphs + async, unguarded argmax", True, True, "unguarded"),
@@ -163,6 +165,7 @@ CONFIGS = (
     ("graphs + async + no PDL", True, True, "no_pdl"),
     ("graphs + async + fp32 greedy", True, True, "fp32_greedy"),
     ("graphs + async + no split-K", True, True, "no_split_k"),
+    ("graphs + async + weights as stored", True, True, "as_stored"),
     ("graphs", True, False, "default"),
     ("eager", False, False, "default"),
 )
@@ -235,7 +238,7 @@ def main() -> None:
         plot(args.plot, medians, floor, args, name)
 
 
-OPT_IN_VARIANTS = ("logprobs", "no_split", "cublaslt", "no_pdl", "fp32_greedy", "no_split_k")
+OPT_IN_VARIANTS = ("logprobs", "no_split", "cublaslt", "no_pdl", "fp32_greedy", "no_split_k", "as_stored")
 
 
 @contextlib.contextmanager
@@ -243,14 +246,18 @@ def step_variant(variant: str):
     """ "unguarded": the graph's greedy step without the non-finite-row guard (a plain argmax), for its
     cost; "no_split": no split-KV decode attention; "cublaslt": projections through cuBLASLt;
     "no_pdl": every kernel launched plainly; "fp32_greedy": greedy ids from an fp32 copy of the head's
-    output by torch's row max; "no_split_k": no split-K projections; "default" and "logprobs": as
-    shipped."""
+    output by torch's row max; "no_split_k": no split-K projections; "as_stored": projection weights
+    row-major as loaded; "default" and "logprobs": as shipped."""
     if variant in ("default", "logprobs"):
         yield
         return
-    if variant in ("no_pdl", "no_split_k"):  # a kernels module's own on/off switch
+    if variant in ("no_pdl", "no_split_k", "as_stored"):  # a module's own on/off switch
         module = importlib.import_module(
-            "raystate.kernels." + {"no_pdl": "_pdl", "no_split_k": "split_k"}[variant]
+            {
+                "no_pdl": "raystate.kernels._pdl",
+                "no_split_k": "raystate.kernels.split_k",
+                "as_stored": "raystate.model.weight_layout",
+            }[variant]
         )
         saved = module.set_enabled(False)
         try:

@@ -54,8 +54,10 @@ for part in $parts; do
       done ;;
     blas)  # the decode projections under cuBLAS and cuBLASLt
       timeout 200 python3 bench/bench_blas.py --json "$OUT/blas.json" 2>&1 | tee "$OUT/blas.log" | tail -40 ;;
-    blas_layouts)  # the decode projections with the weight as stored ([N, K]) against transposed ([K, N])
-      timeout 200 python3 bench/bench_blas.py --layouts --json "$OUT/blas_layouts.json" 2>&1 | tee "$OUT/blas_layouts.log" | tail -14 ;;
+    blas_layouts)  # the projections with the weight as stored ([N, K]) against transposed ([K, N]), at M of
+      # BLAS_ROWS (default 64: decode)
+      timeout 400 python3 bench/bench_blas.py --layouts --rows ${BLAS_ROWS:-64} --json "$OUT/blas_layouts.json" 2>&1 \
+        | tee "$OUT/blas_layouts.log" | grep -E "^(==|a step|[a-z_]+ +floor)" | cut -c1-100 ;;
     cold)  # LLM(...) to its first token by phase, cold and warm Triton cache
       timeout 400 python3 bench/bench_cold_start.py --json "$OUT/cold_start.json" 2>&1 | tee "$OUT/cold_start.log" | tail -6 ;;
     gemm)

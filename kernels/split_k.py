@@ -54,18 +54,22 @@ class PartialSums(NamedTuple):
 
 def split_k_linear(
     x: torch.Tensor,  # [T, K], rows contiguous
-    weight: torch.Tensor,  # [N, K], an nn.Linear's (no bias)
+    weight: torch.Tensor,  # [N, K], an nn.Linear's (no bias): row-major, or column-major (weight_layout)
     splits: int,  # S: divides K
 ) -> PartialSums:  # parts fp32 [S, T, N]
     """x @ weight.T as S partial sums over equal slices of K, one batched GEMM on the GPU."""
     num_tokens, k = x.shape
     n = weight.shape[0]
-    if k % splits or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError(f"splits: {splits} must divide K = {k}, with x and weight rows contiguous")
+    if k % splits or x.stride(-1) != 1 or not _dense_2d(weight):
+        raise ValueError(
+            f"splits: {splits} must divide K = {k}, with x's rows contiguous and the weight row- or "
+            "column-major"
+        )
     part = k // splits
+    n_stride, k_stride = weight.stride()
     # Slice s of x is x[:, s*part:(s+1)*part], of the weight its same columns: strided views, no copy.
     xs = x.as_strided((splits, num_tokens, part), (part, x.stride(0), 1))  # [S, T, K/S]
-    ws = weight.as_strided((splits, part, n), (part, 1, weight.stride(0)))  # [S, K/S, N]
+    ws = weight.as_strided((splits, part, n), (part * k_stride, k_stride, n_stride))  # [S, K/S, N]
     if x.is_cuda and x.dtype != torch.float32:
         parts = torch.bmm(xs, ws, out_dtype=torch.float32)
     else:  # (out_dtype is for half-precision inputs on CUDA) the same sums from fp32 copies
@@ -88,10 +92,16 @@ def split_k_count(num_tokens: int, k: int, n: int, num_sms: int) -> int:
     return 2
 
 
+def _dense_2d(weight: torch.Tensor) -> bool:  # [N, K]
+    """Row-major or column-major with no gaps: every K slice is a strided view of it."""
+    return weight.is_contiguous() or weight.t().is_contiguous()
+
+
 def splits_for(x: torch.Tensor, weight: torch.Tensor) -> int:  # x [T, K], weight [N, K]
-    """S for the projection of x by weight on x's GPU: 1 off the GPU, when split-K is turned off, or
-    when either's rows are not contiguous (the slices are strided views of them)."""
-    if not (_enabled and _BMM_OUT_DTYPE and x.is_cuda and x.stride(-1) == 1 and weight.stride(-1) == 1):
+    """S for the projection of x by weight on x's GPU: 1 off the GPU, when split-K is turned off, when
+    x's rows are not contiguous or the weight is neither row- nor column-major (the slices are strided
+    views of them)."""
+    if not (_enabled and _BMM_OUT_DTYPE and x.is_cuda and x.stride(-1) == 1 and _dense_2d(weight)):
         return 1
     n, k = weight.shape
     return split_k_count(x.shape[0], k, n, device_limits(x.device.index or 0)[1])

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from raystate.config import ModelConfig
 from raystate.errors import InvalidRequest
 from raystate.model.transformer import TinyHybrid
+from raystate.model.weight_layout import store_projections_column_major
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -132,7 +133,7 @@ def load_model(
     if hf_config is not None:  # a Hugging Face checkpoint: DecoderLM, its safetensors
         from raystate.model.hf_weights import load_hf_model
 
-        return load_hf_model(path, hf_config, device, dtype)[0]
+        return store_projections_column_major(load_hf_model(path, hf_config, device, dtype)[0])
     if is_model_dir(path):
         with open(os.path.join(path, CONFIG_FILE)) as f:
             saved = ModelConfig.from_dict(json.load(f))
@@ -146,4 +147,4 @@ def load_model(
         model = empty_model(cfg, device, torch.float32)
         init_weights(model, cfg.seed if seed is None else seed)
         model = model.to(dtype)
-    return model.eval()
+    return store_projections_column_major(model.eval())

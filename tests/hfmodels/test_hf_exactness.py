@@ -172,3 +172,24 @@ def test_split_k_projections_equal_transformers(family, family_checkpoints, expe
     down_shape = (config.hidden_size, config.intermediate_size)
     assert {tuple(c) for c in calls} == {o_shape, down_shape}
     assert split_k.splits_for(torch.zeros(4, 8), torch.zeros(8, 8)) == 1  # the real choice, on the CPU
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])  # a tied head; an untied one with q/k norms
+def test_column_major_weights_equal_transformers(family, family_checkpoints, expected, monkeypatch):
+    """Every projection's weight re-stored column-major (what loading does for a bf16 model on a GPU,
+    raystate.model.weight_layout), forced here on the CPU, with the narrow projections split over K as a
+    GPU decode step runs them: the tokens are transformers', and a tied head is still the embedding."""
+    from raystate.model import layers, weight_layout
+    from raystate.model.weight_layout import is_column_major
+
+    monkeypatch.setattr(weight_layout, "wants_column_major", lambda w: w.is_contiguous() and min(w.shape) > 1)
+    monkeypatch.setattr(layers, "splits_for", lambda x, weight: 2)
+    prompts, want = expected(family)
+    llm = _llm(family_checkpoints[family], enable_prefix_caching=False)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    model = llm.engine.worker.model
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(is_column_major(w) for w in linears)
+    assert (model.lm_head.weight is model.embed.weight) == model.config.tie_word_embeddings

@@ -139,6 +139,29 @@ def test_split_k_linear_partials_sum_to_the_projection(splits):
     torch.testing.assert_close(split_k_linear(wide[:, :64], w, splits).total(), x @ w.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_split_k_linear_takes_a_column_major_weight(splits):
+    """A weight stored column-major (raystate.model.weight_layout: its transpose contiguous) is sliced
+    over K by its own strides: each partial is the same slice's product as for the row-major copy."""
+    gen = torch.Generator().manual_seed(10 + splits)
+    x = torch.randn(6, 64, generator=gen)
+    w = torch.randn(24, 64, generator=gen)
+    w_cols = w.t().contiguous().t()  # [24, 64], strides (1, 24)
+    assert w_cols.stride() == (1, 24)
+    parts = split_k_linear(x, w_cols, splits)
+    part = 64 // splits
+    for s in range(splits):
+        want = x[:, s * part : (s + 1) * part] @ w[:, s * part : (s + 1) * part].T
+        torch.testing.assert_close(parts.parts[s], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(parts.total(), split_k_linear(x, w, splits).total(), rtol=1e-6, atol=1e-6)
+
+
+def test_split_k_refuses_a_weight_neither_row_nor_column_major():
+    every_other_column = torch.zeros(8, 128)[:, ::2]  # [8, 64], strides (128, 2)
+    with pytest.raises(ValueError, match="row- or column-major"):
+        split_k_linear(torch.zeros(2, 64), every_other_column, 2)
+
+
 def test_split_k_refuses_a_split_that_does_not_divide_k():
     with pytest.raises(ValueError, match="splits: 3 must divide K = 64"):
         split_k_linear(torch.zeros(2, 64), torch.zeros(8, 64), 3)
