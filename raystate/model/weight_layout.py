@@ -3,9 +3,10 @@
 Why: an `nn.Linear` keeps its weight [N, K] row-major, so `x @ W.T` is a "TN" GEMM. Stored the other way
 round (the same [N, K] tensor with strides (1, N): its transpose is a contiguous [K, N]) the product is an
 "NN" GEMM, for which cuBLAS's heuristic picks other kernels. At decode sizes those stream the weights
-faster: on an H100 at 64 rows, Gemma-3-4B's 1.34 GB tied head went from 0.93 to 1.00 of the copy
-bandwidth (479 -> 445 us) and Qwen3-8B's qkv from 0.70 to 0.76 (`bench/bench_blas.py --layouts`,
-BENCHMARKS.md "Weight layout").
+faster: on an H100 at 64 rows, Gemma-3-4B's 1.34 GB tied head went from 0.89 to 0.98 of the copy
+bandwidth (500 -> 454 us) and Qwen3-8B's qkv from 0.69 to 0.75 (`bench/bench_blas.py --layouts --rows 1 8
+64 2048`, bench/results/blas_layouts_h100.log; BENCHMARKS.md "Weight layout"). Prefill-sized products of
+some shapes are slower (Qwen3-8B's at 2048 rows, 1.08x): RAYSTATE_WEIGHT_LAYOUT below.
 
 Nothing that reads a weight changes: every reader goes through torch with the tensor's strides
 (`F.linear`, `torch.mm(x, w.t())`, the embedding's row gather of a tied head, the split-K views of
