@@ -11,6 +11,21 @@ import torch
 
 PAD_SLOT_ID = -1
 
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """The environment variable `name` (unset or empty: `default`), which must be one of `choices`.
+
+    Why: our switches are read once, at import, and a misspelt value (`RAYSTATE_PDL=off`) would otherwise
+    keep the default without a word; it fails instead, naming the variable, the value and what it takes.
+    """
+    value = os.environ.get(name, "")
+    if value == "":
+        return default
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)} (unset: {default})")
+    return value
+
+
 # Triton decides interpreter or compiler when `triton.jit` wraps a kernel, i.e. when the kernel modules
 # are imported right after this one; reading TRITON_INTERPRET once here keeps our choice in step with it.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -21,13 +36,14 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # that sets the variable later calls refresh_reference_switch() (the benches do), and a test sets
 # `_reference_forced` itself (monkeypatch.setattr, which also puts it back).
 _KERNELS_VAR = "RAYSTATE_KERNELS"
-_reference_forced = os.environ.get(_KERNELS_VAR) == "reference"
+_KERNELS_CHOICES = ("auto", "reference")
+_reference_forced = env_choice(_KERNELS_VAR, _KERNELS_CHOICES, "auto") == "reference"
 
 
 def refresh_reference_switch() -> bool:
     """Reads RAYSTATE_KERNELS from os.environ again; returns whether it forces the references."""
     global _reference_forced
-    _reference_forced = os.environ.get(_KERNELS_VAR) == "reference"
+    _reference_forced = env_choice(_KERNELS_VAR, _KERNELS_CHOICES, "auto") == "reference"
     return _reference_forced
 
 

@@ -21,11 +21,9 @@ profiler's); otherwise every call takes `JITFunction.run`, which gives the same 
 
 from __future__ import annotations
 
-import os
-
 import triton
 
-from raystate.kernels._common import interpreting
+from raystate.kernels._common import env_choice, interpreting
 
 # major.minor versions whose launcher call this module reproduces (checked on an H200 with 3.6.0).
 VERIFIED_TRITON = ("3.6",)
@@ -38,10 +36,10 @@ def fast_launch_enabled() -> bool:
 
 
 def _decide() -> bool:
+    forced = env_choice("RAYSTATE_FAST_LAUNCH", ("0", "1", "auto"), "auto")  # checked even when unused
     if interpreting():
         return False
-    forced = os.environ.get("RAYSTATE_FAST_LAUNCH")
-    if forced is not None:
+    if forced != "auto":
         return forced == "1"
     return ".".join(triton.__version__.split(".")[:2]) in VERIFIED_TRITON
 

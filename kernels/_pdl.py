@@ -22,15 +22,14 @@ Hopper or a Triton without the intrinsics, kernels are launched plainly and `USE
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from raystate.kernels._common import interpreting
+from raystate.kernels._common import env_choice, interpreting
 
-_enabled = os.environ.get("RAYSTATE_PDL", "1") != "0"
+_enabled = env_choice("RAYSTATE_PDL", ("0", "1"), "1") == "1"
 
 
 def set_enabled(enabled: bool) -> bool:

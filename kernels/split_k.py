@@ -12,16 +12,16 @@ before anything else reads it, as the GEMM's own output would be.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
+from raystate.kernels._common import env_choice
 from raystate.kernels.attention_launch import device_limits
 
 # RAYSTATE_SPLIT_K=0 (read at import) keeps every projection a plain GEMM; set_enabled does the same at run
 # time (benchmarks compare the two in one process). A CUDA graph keeps the launches it captured.
-_enabled = os.environ.get("RAYSTATE_SPLIT_K", "1") != "0"
+_enabled = env_choice("RAYSTATE_SPLIT_K", ("0", "1"), "1") == "1"
 # torch.bmm takes out_dtype (fp32 out of half-precision inputs) from torch 2.8; an older torch keeps every
 # projection a plain GEMM.
 _BMM_OUT_DTYPE = torch.__version__ >= "2.8"

@@ -20,16 +20,19 @@ on the CPU the layout buys nothing.
 
 from __future__ import annotations
 
-import os
 from typing import TypeVar
 
 import torch
 from torch import nn
 
+from raystate.kernels._common import env_choice
+
 M = TypeVar("M", bound=nn.Module)
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
-_enabled = os.environ.get("RAYSTATE_WEIGHT_LAYOUT", "column_major") != "as_stored"
+_enabled = (
+    env_choice("RAYSTATE_WEIGHT_LAYOUT", ("column_major", "as_stored"), "column_major") == "column_major"
+)
 
 
 def set_enabled(enabled: bool) -> bool:

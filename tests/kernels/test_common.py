@@ -4,10 +4,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from raystate.kernels import use_triton
-from raystate.kernels._common import interpreting, reference_forced, refresh_reference_switch
+from raystate.kernels._common import env_choice, interpreting, reference_forced, refresh_reference_switch
 
 
 def test_the_switch_is_read_at_import():
@@ -43,3 +44,33 @@ def test_tests_set_the_switch_through_monkeypatch(monkeypatch):
     probe = torch.empty(0)
     monkeypatch.setattr("raystate.kernels._common._reference_forced", True)
     assert reference_forced() and not use_triton(probe)
+
+
+def test_env_choice_takes_a_listed_value_or_the_default(monkeypatch):
+    monkeypatch.delenv("RAYSTATE_TEST_SWITCH", raising=False)
+    assert env_choice("RAYSTATE_TEST_SWITCH", ("0", "1"), "1") == "1"
+    monkeypatch.setenv("RAYSTATE_TEST_SWITCH", "")
+    assert env_choice("RAYSTATE_TEST_SWITCH", ("0", "1"), "1") == "1"
+    monkeypatch.setenv("RAYSTATE_TEST_SWITCH", "0")
+    assert env_choice("RAYSTATE_TEST_SWITCH", ("0", "1"), "1") == "0"
+    monkeypatch.setenv("RAYSTATE_TEST_SWITCH", "off")
+    with pytest.raises(ValueError, match=r"RAYSTATE_TEST_SWITCH='off': expected one of 0, 1 \(unset: 1\)"):
+        env_choice("RAYSTATE_TEST_SWITCH", ("0", "1"), "1")
+
+
+@pytest.mark.parametrize(
+    "name, module",
+    [
+        ("RAYSTATE_KERNELS", "raystate.kernels"),
+        ("RAYSTATE_PDL", "raystate.kernels._pdl"),
+        ("RAYSTATE_SPLIT_K", "raystate.kernels.split_k"),
+        ("RAYSTATE_FAST_LAUNCH", "raystate.kernels._launch"),
+        ("RAYSTATE_WEIGHT_LAYOUT", "raystate.model.weight_layout"),
+    ],
+)
+def test_a_misspelt_switch_fails_at_import_naming_it(name, module):
+    """Each switch read at import refuses a value it does not take instead of keeping its default."""
+    env = {**os.environ, name: "of"}
+    out = subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert f"{name}='of': expected one of" in out.stderr
