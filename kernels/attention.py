@@ -699,7 +699,6 @@ def _paged_attention_triton(
         SHAPE=shape,
         TILE=plan.tile,
         USE_PDL=pdl,
-        GUESS_BLOCKS=SPLIT_GUESS_BLOCKS,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **launch_options(pdl),

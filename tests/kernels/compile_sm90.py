@@ -1,7 +1,8 @@
-"""Compiles the split-KV attention kernels for an H100/H200 (sm_90) on a machine without a GPU, launching
-nothing: CI has no GPU, and Triton's interpreter runs code that the compiler may still reject. Run by
-test_compile_sm90.py in a process of its own (TRITON_INTERPRET unset: the kernels must be jitted, not
-interpreted). Prints one JSON object: per variant, the shared memory it takes and what its PTX holds.
+"""Compiles the split-KV attention kernels, and what paged_attention's launcher launches, for an
+H100/H200 (sm_90) on a machine without a GPU, launching nothing: CI has no GPU, and Triton's interpreter
+runs code that the compiler may still reject (it also takes keyword arguments a kernel does not have).
+Run by test_compile_sm90.py in a process of its own (TRITON_INTERPRET unset: the kernels must be jitted,
+not interpreted). Prints one JSON object: per variant, the shared memory it takes and what its PTX holds.
 """
 
 from __future__ import annotations
@@ -100,7 +101,34 @@ def main() -> None:
             "pdl": sorted(set(re.findall(r"griddepcontrol\.\w+", kernel.asm["ptx"]))),
         }
     results.update(other_kernels())
+    results.update(attention_launcher_paths(attention))
     print(json.dumps(results))
+
+
+def attention_launcher_paths(attention) -> dict:
+    """paged_attention's own launcher (compile_only: what it launches, compiled, nothing run) for decode
+    batches that take the one-launch kernel and the split path, and a prefill, with an H100's program
+    count. The hand-written warmups above pass the arguments as this script spells them; these pass
+    them as the launcher does, so a keyword the kernel does not take fails here, not first on a GPU."""
+    from raystate.kernels import attention_launch
+
+    attention_launch.device_shape = lambda device: (232448 - 8192, 132)  # an H100's budget and SMs
+    results = {}
+    hq, hkv, d, block_size, width = 16, 4, 128, 16, 512  # the bench model's heads; 8192 keys a row at most
+    cache = torch.empty(64, block_size, hkv, d, dtype=torch.bfloat16)
+    for rows, q_len, window in [(64, 1, 0), (64, 1, 1024), (1, 1, 0), (8, 1, 1024), (2, 64, 0)]:
+        tokens = rows * q_len
+        query = torch.empty(tokens, hq, d, dtype=torch.bfloat16)
+        table = torch.empty(rows, width, dtype=torch.int32)
+        qsl = torch.empty(rows + 1, dtype=torch.int32)
+        lens = torch.empty(rows, dtype=torch.int32)
+        args = (query, cache, cache, table, qsl, lens, d**-0.5, window, lens, torch.empty_like(query))
+        plan = attention_launch.plan_launch(
+            tokens, rows, hkv, hq // hkv, d * 2, query.device, q_len, window, None, width * block_size
+        )
+        attention._paged_attention_triton(args, q_len, compile_only=True)
+        results[f"launcher B{rows} q{q_len} W{window}"] = {"kv_splits": plan.kv_splits}
+    return results
 
 
 def other_kernels() -> dict:
