@@ -352,16 +352,7 @@ def split_decode(args, hbm) -> list[dict]:
             finally:
                 _pdl.set_enabled(saved_pdl)
             row[f"{name} of_hbm"] = one.kv_bytes() / (row[name] * 1e-6) / hbm
-            # ... and with every block id loaded after the row's bounds (no guessed first key step)
-            shipped_guess = attention.SPLIT_GUESS_BLOCKS
-            guess_name = "policy w/o guess" if shipped_guess else "policy + guess"
-            attention.SPLIT_GUESS_BLOCKS = not shipped_guess
-            try:
-                row[guess_name] = graph_time_us(lambda i, c=copies: c[i % len(c)].run(), 2 * len(copies))
-            finally:
-                attention.SPLIT_GUESS_BLOCKS = shipped_guess
-            row[f"{guess_name} of_hbm"] = one.kv_bytes() / (row[guess_name] * 1e-6) / hbm
-            variants = {**variants, name: None, guess_name: None}
+            variants = {**variants, name: None}
         ratio = row["policy"] / row["current"]
         row["policy/current"] = ratio
         row["slower"] = ratio > 1 + NOISE

@@ -154,9 +154,8 @@ def run(
 # launches every kernel plainly (RAYSTATE_PDL=0); "fp32 greedy" takes the greedy ids as before 2026-12-05
 # (the head's output converted to fp32, then torch's row max); "no split-K" runs every projection as one
 # plain GEMM (RAYSTATE_SPLIT_K=0; raystate.kernels.split_k); "weights as stored" keeps every projection's
-# weight row-major as loaded (RAYSTATE_WEIGHT_LAYOUT=as_stored; raystate.model.weight_layout); "guessed
-# block ids" has the split-KV kernel load its likely first key step's block ids with the row's bounds
-# (attention.SPLIT_GUESS_BLOCKS, off by default). Those eight are run only when named in --configs.
+# weight row-major as loaded (RAYSTATE_WEIGHT_LAYOUT=as_stored; raystate.model.weight_layout). Those seven
+# are run only when named in --configs.
 CONFIGS = (
     ("graphs + async", True, True, "default"),
     ("graphs + async, unguarded argmax", True, True, "unguarded"),
@@ -167,7 +166,6 @@ CONFIGS = (
     ("graphs + async + fp32 greedy", True, True, "fp32_greedy"),
     ("graphs + async + no split-K", True, True, "no_split_k"),
     ("graphs + async + weights as stored", True, True, "as_stored"),
-    ("graphs + async + guessed block ids", True, True, "guess"),
     ("graphs", True, False, "default"),
     ("eager", False, False, "default"),
 )
@@ -240,23 +238,7 @@ def main() -> None:
         plot(args.plot, medians, floor, args, name)
 
 
-OPT_IN_VARIANTS = (
-    "logprobs",
-    "no_split",
-    "cublaslt",
-    "no_pdl",
-    "fp32_greedy",
-    "no_split_k",
-    "as_stored",
-    "guess",
-)
-
-
-# variant: (module, constant, value for the run). "no_split": decode_kv_splits then gives 1.
-_MODULE_CONSTANTS = {
-    "guess": ("raystate.kernels.attention", "SPLIT_GUESS_BLOCKS", True),
-    "no_split": ("raystate.kernels.attention_launch", "SPLIT_PROGRAMS_PER_SM", 0),
-}
+OPT_IN_VARIANTS = ("logprobs", "no_split", "cublaslt", "no_pdl", "fp32_greedy", "no_split_k", "as_stored")
 
 
 @contextlib.contextmanager
@@ -265,8 +247,7 @@ def step_variant(variant: str):
     cost; "no_split": no split-KV decode attention; "cublaslt": projections through cuBLASLt;
     "no_pdl": every kernel launched plainly; "fp32_greedy": greedy ids from an fp32 copy of the head's
     output by torch's row max; "no_split_k": no split-K projections; "as_stored": projection weights
-    row-major as loaded; "guess": the split-KV kernel with its guessed block ids; "default" and
-    "logprobs": as shipped."""
+    row-major as loaded; "default" and "logprobs": as shipped."""
     if variant in ("default", "logprobs"):
         yield
         return
@@ -304,15 +285,15 @@ def step_variant(variant: str):
         finally:
             torch.backends.cuda.preferred_blas_library(saved_library)
         return
-    if variant in _MODULE_CONSTANTS:  # a module constant set for the run, then restored
-        module_name, attr, value = _MODULE_CONSTANTS[variant]
-        module = importlib.import_module(module_name)
-        saved = getattr(module, attr)
-        setattr(module, attr, value)
+    if variant == "no_split":
+        from raystate.kernels import attention_launch
+
+        saved = attention_launch.SPLIT_PROGRAMS_PER_SM
+        attention_launch.SPLIT_PROGRAMS_PER_SM = 0  # decode_kv_splits then gives 1
         try:
             yield
         finally:
-            setattr(module, attr, saved)
+            attention_launch.SPLIT_PROGRAMS_PER_SM = saved
         return
     from raystate.worker import cudagraph
 

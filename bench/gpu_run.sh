@@ -2,7 +2,7 @@
 # Everything that needs the GPU machine (one H200), in one call: the CUDA tests, then every GPU benchmark,
 # logs, JSON and plots into $OUT (or ./out). From the repo root, with .whl/ carried
 # (../shared/device/make-wheels.sh builds it):
-#   bash bench/gpu_run.sh [tests|split_tests|pdl_tests|kv_auto|dispatch|attention|attention_split|split_guess|fixed_cost|attention_tests|ncu_attention|blas|blas_layouts|gemm|kernels|pdl|decode|decode_small|logprobs|prefix|throughput|hf|hf_blas|hf_pdl|serve_profile|serve_replicas|cold ...]
+#   bash bench/gpu_run.sh [tests|split_tests|pdl_tests|kv_auto|dispatch|attention|attention_split|fixed_cost|attention_tests|ncu_attention|blas|blas_layouts|gemm|kernels|pdl|decode|decode_small|logprobs|prefix|throughput|hf|hf_blas|hf_pdl|serve_profile|serve_replicas|cold ...]
 #   (default: all but hf, cold, decode_small and logprobs)
 set -o pipefail
 . bench/gpu_setup.sh || exit 1
@@ -36,11 +36,6 @@ for part in $parts; do
     attention_split)  # read floors, split-KV cases (split count x key step x stages, PDL combine on/off), Gemma's heads
       timeout 300 python3 bench/bench_attention.py --split-only --split-tune --json "$OUT/attention_split.json" 2>&1 \
         | tee "$OUT/attention_split.log" | tail -60 ;;
-    split_guess)  # the split-KV launches with and without the guessed first key step's block ids, two rounds
-      for r in 1 2; do
-        timeout 200 python3 bench/bench_attention.py --split-only --json "$OUT/attention_split_r$r.json" 2>&1 \
-          | tee "$OUT/attention_split_r$r.log" | grep -E "^B=|no row|slower" | cut -c1-220
-      done ;;
     fixed_cost)  # a batch-64 decode launch's fixed cost over windows: PDL on/off, after the rotation kernel, a plain read
       timeout ${FIXED_TIMEOUT:-300} python3 bench/bench_attention.py --fixed-cost --json "$OUT/attention_fixed_cost.json" 2>&1 \
         | tee "$OUT/attention_fixed_cost.log" | tail -40 ;;

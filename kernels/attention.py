@@ -389,20 +389,16 @@ def _split_token(
     sliding_window,
     scale_log2,
     split,  # (this program's split, the number of splits, the fewest keys a split takes)
-    guess,  # (guess_lo, guess_blocks [BLOCK_N]): block ids of the key step at guess_lo, loaded early
     lanes,  # (offs_m, heads, m_valid, offs_d, d_valid): this kv head's query heads, the head dim
     SHAPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    GUESS_BLOCKS: tl.constexpr,
 ):
     """One query token's GROUP heads over this program's split of the token's keys [lo, q_pos]: the
     partial softmax stored at (token, head, split). Its keys are cut into spans of chunk = cdiv(keys, S)
     rounded up to whole BLOCK_N steps (at least min_chunk) from lo; a span past the keys is empty and
-    stores m = -inf, l = 0, acc = 0 (weight 0 in the combine). A key step that starts at guess_lo takes
-    its block ids from guess_blocks instead of loading them (its load is masked off entirely): block ids
-    depend on key positions only, so the guess is right whenever the positions match."""
+    stores m = -inf, l = 0, acc = 0 (weight 0 in the combine)."""
     BLOCK_D: tl.constexpr = SHAPE[1]
     BLOCK_SIZE: tl.constexpr = SHAPE[2]
     DOT_PRECISION: tl.constexpr = SHAPE[5]
@@ -411,7 +407,6 @@ def _split_token(
     bt_row, bt_col, k_head, v_head, k_strides, v_strides = kv
     split_id, num_splits, min_chunk = split
     offs_m, heads, m_valid, offs_d, d_valid = lanes
-    guess_lo, guess_blocks = guess
     lo = tl.maximum(floor, tl.where(sliding_window > 0, q_pos - sliding_window + 1, 0))
     keys = tl.where(live, tl.maximum(q_pos + 1 - lo, 0), 0)
     per_split = (keys + num_splits - 1) // num_splits
@@ -432,14 +427,7 @@ def _split_token(
     for start in tl.range(span_lo, span_hi, BLOCK_N, num_stages=NUM_STAGES):
         k_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         k_valid = k_pos < span_hi
-        if GUESS_BLOCKS:
-            guessed = start == guess_lo
-            # `guessed` broadcast to [BLOCK_N] before the &, as `live` above.
-            load_ids = k_valid & ((k_pos * 0 + guessed.to(tl.int32)) == 0)
-            blocks = tl.load(bt_row + (k_pos // BLOCK_SIZE) * bt_col, mask=load_ids, other=0).to(tl.int64)
-            blocks = tl.where(guessed, guess_blocks, blocks)
-        else:
-            blocks = tl.load(bt_row + (k_pos // BLOCK_SIZE) * bt_col, mask=k_valid, other=0).to(tl.int64)
+        blocks = tl.load(bt_row + (k_pos // BLOCK_SIZE) * bt_col, mask=k_valid, other=0).to(tl.int64)
         slots = k_pos % BLOCK_SIZE
         kv_mask = k_valid[:, None] & d_valid[None, :]  # [BLOCK_N, BLOCK_D]
         k_off = blocks * k_strides[0] + slots * k_strides[1]  # [BLOCK_N]
@@ -469,7 +457,7 @@ def _split_token(
     tl.store(a_ptrs + offs_d[None, :] * acc_strides[3], acc, mask=md_mask)
 
 
-@triton.jit(do_not_specialize=["sliding_window", "min_chunk", "key_limit"])
+@triton.jit(do_not_specialize=["sliding_window", "min_chunk"])
 def _split_kv_kernel(
     query_ptr,  # [T, H_q, D]
     k_cache_ptr,  # [num_blocks, block_size, H_kv, D]
@@ -483,7 +471,6 @@ def _split_kv_kernel(
     scale_log2,
     sliding_window,
     min_chunk,  # fewest keys a split takes, a multiple of BLOCK_N
-    key_limit,  # the block table's width times the block size: no key position reaches it
     q_strides,  # query's (token, head, dim)
     k_strides,  # the K cache's (block, slot, head, dim)
     v_strides,
@@ -495,7 +482,6 @@ def _split_kv_kernel(
     BLOCK_N: tl.constexpr,  # keys per step
     NUM_STAGES: tl.constexpr,  # software pipelining of the key loop (1: none)
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent; so is the combine after it
-    GUESS_BLOCKS: tl.constexpr,  # load the likely first key step's block ids with the row's bounds
 ):
     """Split-KV decode, grid (B, H_kv, S): program (row, kv head, split) attends the GROUP query heads of
     each of the row's query tokens over split `split` of that token's keys and stores the partial softmax
@@ -504,16 +490,12 @@ def _split_kv_kernel(
     Written for the launches it serves, batches too small to fill the GPU, where a call's time is a chain
     of dependent memory round trips more than the bytes it reads: the row's bounds (three independent
     loads), then the query and the span's block ids, then K and V of a key step together, before any
-    arithmetic. With GUESS_BLOCKS the second round trip goes where the guess holds: the block ids of the
-    span the program would take if the row's keys started at 0 in splits of min_chunk (a full-attention
-    row of at most S x min_chunk keys: at batch 1 the policy sizes S so that an 8k row is one) are loaded
-    with the bounds, and K and V follow them directly. The row's first token runs straight-line (no loop
-    around it: on the H200 a token loop around the key loop cost ~1 us a call); a decode row has only
-    that one, an idle row (q_len 0) runs it as a stand-in that reads and writes nothing, and a longer row
-    (a caller whose max_query_len understated its rows) stays exact, its other tokens one at a time in a
-    loop. Token t of a row of q_len sits at p_t = seq_len - q_len + t and reads keys
-    [max(floor, p_t - W + 1), p_t]. S comes from the host (the grid), never from seq_lens: CUDA-graph
-    safe."""
+    arithmetic. The row's first token runs straight-line (no loop around it: on the H200 a token loop
+    around the key loop cost ~1 us a call); a decode row has only that one, an idle row (q_len 0) runs it
+    as a stand-in that reads and writes nothing, and a longer row (a caller whose max_query_len
+    understated its rows) stays exact, its other tokens one at a time in a loop. Token t of a row of
+    q_len sits at p_t = seq_len - q_len + t and reads keys [max(floor, p_t - W + 1), p_t]. S comes from
+    the host (the grid), never from seq_lens: CUDA-graph safe."""
     HEAD_DIM: tl.constexpr = SHAPE[0]
     BLOCK_D: tl.constexpr = SHAPE[1]
     GROUP: tl.constexpr = SHAPE[3]
@@ -529,16 +511,6 @@ def _split_kv_kernel(
     q_end = tl.load(query_start_loc_ptr + row + 1)
     seq_len = tl.load(seq_lens_ptr + row)
     floor = tl.maximum(tl.load(kv_floor_ptr + row), 0) if HAS_FLOOR else row * 0
-    bt_row = block_table_ptr + row.to(tl.int64) * bt_strides[0]
-    if GUESS_BLOCKS:
-        guess_lo = tl.program_id(2) * min_chunk
-        guess_pos = guess_lo + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        guess_ptrs = bt_row + (guess_pos // SHAPE[2]) * bt_strides[1]
-        guess_blocks = tl.load(guess_ptrs, mask=guess_pos < key_limit, other=0).to(tl.int64)  # [BLOCK_N]
-    else:  # unused: the key loop loads every block id itself
-        guess_lo = tl.program_id(2) * 0 - 1
-        guess_blocks = tl.zeros([BLOCK_N], tl.int64)
-    guess = (guess_lo, guess_blocks)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -547,19 +519,20 @@ def _split_kv_kernel(
     d_valid = offs_d < HEAD_DIM if HEAD_DIM != BLOCK_D else tl.full([BLOCK_D], 1, tl.int1)  # [BLOCK_D]
     lanes = (offs_m, kv_head * GROUP + offs_m, offs_m < GROUP, offs_d, d_valid)
     io = (query_ptr, acc_ptr, ml_ptr, q_strides, acc_strides, ml_strides)
+    bt_row = block_table_ptr + row.to(tl.int64) * bt_strides[0]
     k_head = k_cache_ptr + kv_head.to(tl.int64) * k_strides[2]
     v_head = v_cache_ptr + kv_head.to(tl.int64) * v_strides[2]
     kv = (bt_row, bt_strides[1], k_head, v_head, k_strides, v_strides)
     first_pos = seq_len - q_end + q_start
     _split_token(
-        io, kv, q_start, first_pos, q_end > q_start, floor, sliding_window, scale_log2, split, guess,
-        lanes, SHAPE, BLOCK_M, BLOCK_N, NUM_STAGES, GUESS_BLOCKS,
+        io, kv, q_start, first_pos, q_end > q_start, floor, sliding_window, scale_log2, split, lanes,
+        SHAPE, BLOCK_M, BLOCK_N, NUM_STAGES,
     )  # fmt: skip
     for token in range(q_start + 1, q_end):  # never for a decode row
         live = token < q_end  # a tensor under the interpreter too
         _split_token(
             io, kv, q_start * 0 + token, first_pos + (token - q_start), live, floor, sliding_window,
-            scale_log2, split, guess, lanes, SHAPE, BLOCK_M, BLOCK_N, NUM_STAGES, GUESS_BLOCKS,
+            scale_log2, split, lanes, SHAPE, BLOCK_M, BLOCK_N, NUM_STAGES,
         )  # fmt: skip
 
 
@@ -625,12 +598,6 @@ def _split_combine_kernel(
     )
 
 
-# The split kernel may load its likely first key step's block ids with the row's bounds (_split_kv_kernel).
-# Off until timed on a GPU (written 2026-12-06, exact under the interpreter; no device came that session):
-# `bash bench/gpu_run.sh split_guess` times both ways side by side ("policy + guess" against "policy",
-# the path as shipped), and bench_decode.py's config "graphs + async + guessed block ids" the decode
-# step; turn it on here if it is faster.
-SPLIT_GUESS_BLOCKS = False
 # The combine's head-dim slice and how many fp32 partials a program loads at once (CHUNK_S x D_SLICE).
 COMBINE_D_SLICE = 32
 COMBINE_CHUNK_ELEMS = 4096
@@ -752,7 +719,6 @@ def _split_attention(
         scale * _LOG2E,
         sliding_window,
         plan.split_min_keys,
-        block_table.shape[1] * k_cache.shape[1],
         query.stride(),
         k_cache.stride(),
         v_cache.stride(),
@@ -764,7 +730,6 @@ def _split_attention(
         BLOCK_N=plan.tile[2],
         NUM_STAGES=plan.num_stages,
         USE_PDL=pdl,
-        GUESS_BLOCKS=SPLIT_GUESS_BLOCKS,
         num_warps=plan.num_warps,
         **launch_options(pdl),
     )

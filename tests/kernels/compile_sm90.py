@@ -75,20 +75,19 @@ def main() -> None:
         ml = torch.empty(rows, hq, splits, 2, dtype=torch.float32)
         group = hq // hkv
         shape = (d, d, 16, group, True, "tf32", False)
-        for guess in (False, True):  # without and with the guessed block ids (SPLIT_GUESS_BLOCKS)
-            kernel = attention._split_kv_kernel.warmup(
-                q, cache, cache, acc, ml, table, qsl, lens, lens, 1.0, 0, 128, 512 * 16,
-                q.stride(), cache.stride(), cache.stride(), acc.stride(), ml.stride(), table.stride(),
-                SHAPE=shape, BLOCK_M=max(16, group), BLOCK_N=block_n, NUM_STAGES=stages, USE_PDL=True,
-                GUESS_BLOCKS=guess, num_warps=4, grid=(rows, hkv, splits),
-            )  # fmt: skip
-            ptx = kernel.asm["ptx"]
-            results[f"split{'+guess' if guess else ''} hq{hq} hkv{hkv} d{d} N{block_n} s{stages}"] = {
-                "shared": kernel.metadata.shared,
-                "cubin_bytes": len(kernel.asm["cubin"]),
-                "atomics": sorted(set(re.findall(r"atom\.[\w.]+", ptx))),
-                "pdl": sorted(set(re.findall(r"griddepcontrol\.\w+", ptx))),
-            }
+        kernel = attention._split_kv_kernel.warmup(
+            q, cache, cache, acc, ml, table, qsl, lens, lens, 1.0, 0, 128,
+            q.stride(), cache.stride(), cache.stride(), acc.stride(), ml.stride(), table.stride(),
+            SHAPE=shape, BLOCK_M=max(16, group), BLOCK_N=block_n, NUM_STAGES=stages, USE_PDL=True,
+            num_warps=4, grid=(rows, hkv, splits),
+        )  # fmt: skip
+        ptx = kernel.asm["ptx"]
+        results[f"split hq{hq} hkv{hkv} d{d} N{block_n} s{stages}"] = {
+            "shared": kernel.metadata.shared,
+            "cubin_bytes": len(kernel.asm["cubin"]),
+            "atomics": sorted(set(re.findall(r"atom\.[\w.]+", ptx))),
+            "pdl": sorted(set(re.findall(r"griddepcontrol\.\w+", ptx))),
+        }
         d_slice = min(d, attention.COMBINE_D_SLICE)
         kernel = attention._split_combine_kernel.warmup(
             acc, ml, q, qsl, rows, splits, acc.stride(), ml.stride(), q.stride(),

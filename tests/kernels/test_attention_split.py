@@ -153,24 +153,6 @@ def test_min_keys_per_split(device, split_calls):
     assert_matches_reference(batch, launch=split_launch(8, block_n=32, min_keys=1), max_query_len=1)
 
 
-def test_guessed_block_ids(device, split_calls, monkeypatch):
-    """The split kernel loads the block ids of the span it would take if the row's keys started at 0 in
-    splits of split_min_keys, before it knows the row's length. Rows where that guess holds (short
-    full-attention rows, one whose keys fill the table), and rows where it does not (longer rows, a
-    floor, a window), over a table whose trailing columns are garbage: the same output as loading every
-    block id after the bounds, and the reference's."""
-    rows = dict(q_lens=[1, 1, 1, 1, 1], seq_lens=[20, 64, 130, 47, 100], floors=[0, 0, 0, 5, 0])
-    batch = PagedBatch(device, gen(46), rows["q_lens"], rows["seq_lens"], floors=rows["floors"])
-    windowed = PagedBatch(device, gen(47), [1, 1], [100, 30], window=40)
-    for b in (batch, windowed):
-        outs = []
-        for guess in (True, False):
-            monkeypatch.setattr(attention, "SPLIT_GUESS_BLOCKS", guess)
-            outs.append(assert_matches_reference(b, launch=split_launch(4), max_query_len=1).clone())
-        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
-    assert split_calls == [4, 4, 4, 4]
-
-
 def test_idle_rows_and_padding_are_not_written(device, split_calls):
     """Rows without queries (a CUDA graph's padding rows) and tokens past query_start_loc[-1]."""
     batch = PagedBatch(device, gen(44), [0, 1, 0, 1], [10, 90, 7, 33], padded_tokens=3)
