@@ -10,6 +10,42 @@ import shutil
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _refuse_unknown_kernel_keywords() -> None:
+    """Makes Triton's interpreter refuse a keyword argument that is neither a parameter of the kernel nor
+    a launch option, as the compiler does.
+
+    Why: the interpreter drops every keyword the kernel lacks (it must let num_warps and the like pass),
+    so a launcher that passes a keyword its kernel does not take ran fine on the CPU and failed on every
+    GPU launch (ed0e188 passed the split kernel's GUESS_BLOCKS to the one-launch kernel too). Launch
+    options are the fields of the CUDA backend's options, which the CPU build of Triton also ships.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import dataclasses
+
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # another Triton layout: the GPU run still checks
+        return
+    launch_options = {f.name for f in dataclasses.fields(CUDAOptions)}
+    interpreted_run = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        unknown = sorted(set(kwargs) - set(self.arg_names) - launch_options)
+        if unknown:
+            raise TypeError(
+                f"{self.fn.__name__} takes no keyword argument {', '.join(unknown)} "
+                "(neither a parameter of the kernel nor a launch option)"
+            )
+        return interpreted_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = run
+
+
+_refuse_unknown_kernel_keywords()
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
