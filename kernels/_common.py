@@ -36,15 +36,17 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # that sets the variable later calls refresh_reference_switch() (the benches do), and a test sets
 # `_reference_forced` itself (monkeypatch.setattr, which also puts it back).
 _KERNELS_VAR = "RAYSTATE_KERNELS"
-_KERNELS_CHOICES = ("auto", "reference")
-_reference_forced = env_choice(_KERNELS_VAR, _KERNELS_CHOICES, "auto") == "reference"
+_reference_forced = False  # set below, by refresh_reference_switch()
 
 
 def refresh_reference_switch() -> bool:
     """Reads RAYSTATE_KERNELS from os.environ again; returns whether it forces the references."""
     global _reference_forced
-    _reference_forced = env_choice(_KERNELS_VAR, _KERNELS_CHOICES, "auto") == "reference"
+    _reference_forced = env_choice(_KERNELS_VAR, ("auto", "reference"), "auto") == "reference"
     return _reference_forced
+
+
+refresh_reference_switch()
 
 
 def cdiv(a: int, b: int) -> int:

@@ -41,14 +41,15 @@ def test_split_kernels_compile_for_sm90(tmp_path):
     # paged_attention's launcher compiles what it launches: the one-launch kernel for batch 64 and the
     # prefill, the split path for the small decode batches (a keyword the kernel lacks would fail here).
     launcher = {name: r["kv_splits"] for name, r in results.items() if name.startswith("launcher")}
-    assert launcher == {
-        "launcher B64 q1 W0": 1,
-        "launcher B64 q1 W1024": 1,
-        "launcher B1 q1 W0": launcher["launcher B1 q1 W0"],
-        "launcher B8 q1 W1024": launcher["launcher B8 q1 W1024"],
-        "launcher B2 q64 W0": 1,
-    }
-    assert launcher["launcher B1 q1 W0"] > 1 and launcher["launcher B8 q1 W1024"] > 1
+    assert sorted(launcher) == [
+        "launcher B1 q1 W0",
+        "launcher B2 q64 W0",
+        "launcher B64 q1 W0",
+        "launcher B64 q1 W1024",
+        "launcher B8 q1 W1024",
+    ]
+    unsplit = sorted(name for name, splits in launcher.items() if splits == 1)
+    assert unsplit == ["launcher B2 q64 W0", "launcher B64 q1 W0", "launcher B64 q1 W1024"]
     others = {name: r for name, r in results.items() if not name.startswith(("split", "combine", "launcher"))}
     assert sorted(others) == [
         "greedy chunk max",
