@@ -344,7 +344,7 @@ def _serve(args: argparse.Namespace) -> int:
         print("raystate: interrupted: shutting down", flush=True)
         rc = 130
     except Exception as e:  # e.g. the port is taken: say why in one line, then clean up
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        reason = _reason(e)
         print(f"raystate: error: the server did not start: {reason}", file=sys.stderr)
         rc = 1
     finally:
@@ -359,6 +359,13 @@ def _serve(args: argparse.Namespace) -> int:
     return rc
 
 
+def _reason(e: BaseException) -> str:
+    """An error in one line: the last line of its message (a Ray error ends with its cause's, e.g. a
+    worker's ValueError that names a bad setting), else its type."""
+    text = str(e).strip()
+    return text.splitlines()[-1] if text else type(e).__name__
+
+
 _BACKENDS: list = []  # the deployments `_start_backend_in_background` started
 
 
@@ -371,7 +378,7 @@ def _start_backend_in_background(config, name: str, num_shards: int) -> None:
         try:  # kept referenced: its actors live as long as this process (a local Ray's driver)
             _BACKENDS.append(Cluster.start(config, name=name, num_shards=num_shards))
         except Exception as e:
-            print(f"raystate: the backend did not start here ({type(e).__name__}); the replica retries")
+            print(f"raystate: the backend did not start here ({_reason(e)}); the replica retries")
 
     threading.Thread(target=start, name="raystate-backend-start", daemon=True).start()
 
