@@ -162,6 +162,27 @@ def _drain(notice, grace_s: float, num_replicas: int, signals: _StopSignals) -> 
     print("raystate: drain timed out; stopping anyway", flush=True)
 
 
+def _local_ray_exited(wait_s: float) -> list[str]:
+    """The kinds of the local Ray's processes that have exited ("log_monitor", "raylet", ...), polled for
+    up to `wait_s` until one has. A SIGTERM sent to the whole process group (GNU `timeout`, a shell's
+    `kill -- -PGID`; systemd's KillMode=control-group does the same to the cgroup) reaches Ray's daemons,
+    workers and replicas as well: then nothing is left to drain, and every call into that Ray would only
+    wait out its timeout (30 s each, then a minute of the core worker retrying its GCS). Ray keeps its
+    processes' Popen handles on the node object; a private API, hence [] wherever it differs."""
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    try:
+        node = ray._private.worker._global_node
+        while True:
+            exited = sorted({kind for kind, _ in node.dead_processes()})
+            if exited or time.monotonic() >= deadline:
+                return exited
+            time.sleep(0.02)
+    except Exception:
+        return []
+
+
 def _header_timeout_env(header_timeout_s: float) -> dict[str, str]:
     """The environment that makes Serve's proxy bound request head reads (proxy_guard.py)."""
     from raystate.serve import proxy_guard
@@ -292,6 +313,7 @@ def _serve(args: argparse.Namespace) -> int:
         **({} if args.address or args.ray_dashboard else {"include_dashboard": False}),
     )
     rc = 0
+    ray_exited: list[str] = []
     try:
         notice = _start_drain_notice(args.name)  # before the replicas start: they look it up
         if local and args.backend == "ray":
@@ -328,8 +350,18 @@ def _serve(args: argparse.Namespace) -> int:
         with _StopSignals() as signals:
             print("raystate: Ctrl-C stops the server", flush=True)
             signals.wait(1)
-            print(f"raystate: {signal.Signals(signals.received[0]).name}: shutting down", flush=True)
-            if notice is not None:
+            first = signal.Signals(signals.received[0])
+            print(f"raystate: {first.name}: shutting down", flush=True)
+            # Ray's daemons block SIGINT, so only a SIGTERM can have reached them along with us.
+            if local and first == signal.SIGTERM:
+                ray_exited = _local_ray_exited(wait_s=0.5)
+            if ray_exited:
+                print(
+                    f"raystate: the local Ray's {', '.join(ray_exited)} exited on the same signal (it was "
+                    "sent to the whole process group): no drain; to drain, signal this process only (README)",
+                    flush=True,
+                )
+            elif notice is not None:
                 grace = args.shutdown_grace_s
                 print(
                     f"raystate: draining: new requests get 503, running ones have {grace:g} s to finish "
@@ -349,9 +381,10 @@ def _serve(args: argparse.Namespace) -> int:
         rc = 1
     finally:
         try:
-            serve.delete(args.name)
-            if local:
-                serve.shutdown()
+            if not ray_exited:  # else Serve's controller and replicas are gone with it
+                serve.delete(args.name)
+                if local:
+                    serve.shutdown()
         finally:
             if local:
                 ray.shutdown()

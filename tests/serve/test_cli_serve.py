@@ -92,6 +92,33 @@ def test_serve_prints_url_serves_and_stops_on_ctrl_c():
         httpx.get(f"{url}/health", timeout=5)
 
 
+def test_sigterm_to_the_whole_process_group_stops_without_waiting_on_the_dead_ray():
+    """GNU `timeout` and systemd's KillMode=control-group signal the whole group: the local Ray's daemons
+    and replicas die with the server, so there is nothing to drain. The server says so and stops; before,
+    it waited out a 30 s drain call and then a minute of the core worker retrying the GCS, and crashed."""
+    port = free_port()
+    env = {**os.environ, "RAYSTATE_KERNELS": "reference", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAYSTATE_API_KEY", None)
+    cmd = [sys.executable, "-m", "raystate", "serve", "--port", str(port), "--name", "cli-group"]
+    cmd += ["--no-ray-dashboard"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+    try:
+        _wait_for(lines, "Ctrl-C", timeout_s=180)
+        os.killpg(proc.pid, signal.SIGTERM)  # its own session: the group is the server and its Ray
+        assert proc.wait(timeout=60) == 0
+        rest = "".join(_wait_for(lines, "stopped", timeout_s=5))
+        assert "SIGTERM" in rest and "exited on the same signal" in rest and "no drain" in rest
+        assert "draining" not in rest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def test_status_reports_an_unreachable_server():
     r = subprocess.run(
         [sys.executable, "-m", "raystate", "status", "--url", f"http://127.0.0.1:{free_port()}"],
