@@ -353,6 +353,17 @@ def split_decode(args, hbm) -> list[dict]:
                 _pdl.set_enabled(saved_pdl)
             row[f"{name} of_hbm"] = one.kv_bytes() / (row[name] * 1e-6) / hbm
             variants = {**variants, name: None}
+        # The policy's launches with the row's bounds read on the other side of the PDL wait than shipped
+        # (attention.EARLY_BOUNDS): side by side, in the same graphs.
+        shipped_early = attention.EARLY_BOUNDS
+        name = "bounds after wait" if shipped_early else "bounds before wait"
+        attention.EARLY_BOUNDS = not shipped_early
+        try:
+            row[name] = graph_time_us(lambda i, c=copies: c[i % len(c)].run(), 2 * len(copies))
+        finally:
+            attention.EARLY_BOUNDS = shipped_early
+        row[f"{name} of_hbm"] = one.kv_bytes() / (row[name] * 1e-6) / hbm
+        variants = {**variants, name: None}
         ratio = row["policy"] / row["current"]
         row["policy/current"] = ratio
         row["slower"] = ratio > 1 + NOISE

@@ -154,8 +154,9 @@ def run(
 # launches every kernel plainly (RAYSTATE_PDL=0); "fp32 greedy" takes the greedy ids as before 2026-12-05
 # (the head's output converted to fp32, then torch's row max); "no split-K" runs every projection as one
 # plain GEMM (RAYSTATE_SPLIT_K=0; raystate.kernels.split_k); "weights as stored" keeps every projection's
-# weight row-major as loaded (RAYSTATE_WEIGHT_LAYOUT=as_stored; raystate.model.weight_layout). Those seven
-# are run only when named in --configs.
+# weight row-major as loaded (RAYSTATE_WEIGHT_LAYOUT=as_stored; raystate.model.weight_layout); "bounds
+# after wait" has the attention kernels read the row's bounds after their PDL wait (attention.EARLY_BOUNDS
+# off). Those eight are run only when named in --configs.
 CONFIGS = (
     ("graphs + async", True, True, "default"),
     ("graphs + async, unguarded argmax", True, True, "unguarded"),
@@ -166,6 +167,7 @@ CONFIGS = (
     ("graphs + async + fp32 greedy", True, True, "fp32_greedy"),
     ("graphs + async + no split-K", True, True, "no_split_k"),
     ("graphs + async + weights as stored", True, True, "as_stored"),
+    ("graphs + async + bounds after wait", True, True, "late_bounds"),
     ("graphs", True, False, "default"),
     ("eager", False, False, "default"),
 )
@@ -238,7 +240,16 @@ def main() -> None:
         plot(args.plot, medians, floor, args, name)
 
 
-OPT_IN_VARIANTS = ("logprobs", "no_split", "cublaslt", "no_pdl", "fp32_greedy", "no_split_k", "as_stored")
+OPT_IN_VARIANTS = (
+    "logprobs",
+    "no_split",
+    "cublaslt",
+    "no_pdl",
+    "fp32_greedy",
+    "no_split_k",
+    "as_stored",
+    "late_bounds",
+)
 
 
 @contextlib.contextmanager
@@ -247,7 +258,8 @@ def step_variant(variant: str):
     cost; "no_split": no split-KV decode attention; "cublaslt": projections through cuBLASLt;
     "no_pdl": every kernel launched plainly; "fp32_greedy": greedy ids from an fp32 copy of the head's
     output by torch's row max; "no_split_k": no split-K projections; "as_stored": projection weights
-    row-major as loaded; "default" and "logprobs": as shipped."""
+    row-major as loaded; "late_bounds": the attention kernels read the row's bounds after their PDL wait
+    (attention.EARLY_BOUNDS off); "default" and "logprobs": as shipped."""
     if variant in ("default", "logprobs"):
         yield
         return
@@ -284,6 +296,16 @@ def step_variant(variant: str):
             yield
         finally:
             torch.backends.cuda.preferred_blas_library(saved_library)
+        return
+    if variant == "late_bounds":
+        from raystate.kernels import attention
+
+        saved = attention.EARLY_BOUNDS
+        attention.EARLY_BOUNDS = False
+        try:
+            yield
+        finally:
+            attention.EARLY_BOUNDS = saved
         return
     if variant == "no_split":
         from raystate.kernels import attention_launch

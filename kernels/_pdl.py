@@ -7,11 +7,15 @@ are ~7% of it. A kernel launched as a programmatic dependent may be scheduled be
 finished: its launch overlaps the predecessor's tail, and it waits in `griddepcontrol.wait` until the
 predecessor has finished and its writes are visible.
 
-The one rule every kernel launched this way follows (`pdl_prologue`, its first statement): wait for the
-previous kernel, then let the next one launch, before touching memory. Waiting first means the kernel sees
-memory exactly as after a plain launch, and transitively so: a kernel lets its dependent launch only once
-its own predecessor has finished, so when a dependent's wait returns, every kernel before it has finished
-too. Kernels launched plainly (cuBLAS, torch) are unaffected; a dependent that follows one of them waits
+The one rule every kernel launched this way follows (`pdl_prologue`): wait for the previous kernel, then
+let the next one launch, before touching memory that a kernel of the step may write. Waiting first means
+the kernel sees memory exactly as after a plain launch, and transitively so: a kernel lets its dependent
+launch only once its own predecessor has finished, so when a dependent's wait returns, every kernel before
+it has finished too; and before its wait, only the kernel launched just before it may still run. Most
+kernels wait as their first statement; the attention kernels first read their rows' bounds
+(attention.EARLY_BOUNDS), step inputs that only the host and the step's metadata write, before the first
+layer, never a dependent kernel.
+Kernels launched plainly (cuBLAS, torch) are unaffected; a dependent that follows one of them waits
 for it to finish as a plain launch would, and gains only the launch overlap.
 
 `RAYSTATE_PDL=0` (read at import) launches everything plainly; `set_enabled` does the same at run time
@@ -60,8 +64,9 @@ def launch_options(pdl: bool) -> dict:
 
 @triton.jit
 def pdl_prologue(USE_PDL: tl.constexpr):
-    """First statement of a kernel launched with `launch_options(True)`: wait until the previous kernel
-    has finished and its writes are visible, then let the next kernel launch."""
+    """In a kernel launched with `launch_options(True)`, before it reads what a kernel of the step may
+    write (as a rule its first statement): wait until the previous kernel has finished and its writes are
+    visible, then let the next kernel launch."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -314,6 +314,7 @@ def _paged_attention_kernel(
     SHAPE: tl.constexpr,  # (HEAD_DIM, BLOCK_D, BLOCK_SIZE, GROUP, HAS_FLOOR, DOT_PRECISION, DOT_IN_FP32)
     TILE: tl.constexpr,  # (BLOCK_Q, BLOCK_M, BLOCK_N, ROW_PROGRAMS), from attention_launch
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent (raystate.kernels._pdl)
+    EARLY_BOUNDS: tl.constexpr,  # with USE_PDL: read the row's bounds before waiting (EARLY_BOUNDS below)
 ):
     """One program: BLOCK_Q query tokens of one batch row times the GROUP query heads of one kv head
     (the tile layout: grid (tiles * H_kv,)), or every query tile of one row (ROW_PROGRAMS, the decode
@@ -332,7 +333,8 @@ def _paged_attention_kernel(
     HAS_FLOOR: tl.constexpr = SHAPE[4]
     BLOCK_Q: tl.constexpr = TILE[0]
     ROW_PROGRAMS: tl.constexpr = TILE[3]
-    pdl_prologue(USE_PDL)
+    if not EARLY_BOUNDS:
+        pdl_prologue(USE_PDL)
     if ROW_PROGRAMS:
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -355,6 +357,8 @@ def _paged_attention_kernel(
     q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + row)
     floor = tl.maximum(tl.load(kv_floor_ptr + row), 0) if HAS_FLOOR else row * 0
+    if EARLY_BOUNDS:
+        pdl_prologue(USE_PDL)
     block_table_row = block_table_ptr + row.to(tl.int64) * bt_strides[0]
     k_head_ptr = k_cache_ptr + kv_head.to(tl.int64) * k_strides[2]
     v_head_ptr = v_cache_ptr + kv_head.to(tl.int64) * v_strides[2]
@@ -482,6 +486,7 @@ def _split_kv_kernel(
     BLOCK_N: tl.constexpr,  # keys per step
     NUM_STAGES: tl.constexpr,  # software pipelining of the key loop (1: none)
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent; so is the combine after it
+    EARLY_BOUNDS: tl.constexpr,  # with USE_PDL: read the row's bounds before waiting (EARLY_BOUNDS below)
 ):
     """Split-KV decode, grid (B, H_kv, S): program (row, kv head, split) attends the GROUP query heads of
     each of the row's query tokens over split `split` of that token's keys and stores the partial softmax
@@ -502,7 +507,8 @@ def _split_kv_kernel(
     HAS_FLOOR: tl.constexpr = SHAPE[4]
     # The combine may then be scheduled once every split program has started; it waits in
     # griddepcontrol.wait until this grid has finished and its partials are visible.
-    pdl_prologue(USE_PDL)
+    if not EARLY_BOUNDS:
+        pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = (tl.program_id(2), tl.num_programs(2), min_chunk)
@@ -511,6 +517,8 @@ def _split_kv_kernel(
     q_end = tl.load(query_start_loc_ptr + row + 1)
     seq_len = tl.load(seq_lens_ptr + row)
     floor = tl.maximum(tl.load(kv_floor_ptr + row), 0) if HAS_FLOOR else row * 0
+    if EARLY_BOUNDS:
+        pdl_prologue(USE_PDL)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -598,6 +606,15 @@ def _split_combine_kernel(
     )
 
 
+# Both decode kernels may read the row's bounds (query_start_loc, seq_lens, kv_floor) before
+# griddepcontrol.wait, so that this first dependent round trip overlaps the previous kernel's tail. Safe
+# because of what may still run then: only the kernel launched just before (every earlier one has
+# finished: raystate.kernels._pdl), and no kernel launched as a programmatic dependent writes those
+# tensors (the host and the step's metadata, before the first layer, do). Everything the previous
+# kernel may write (the query, the KV cache, the partials) is read after the wait. A switch so that
+# `bench_attention.py --split-only` can time both ways in one process ("policy" vs "bounds after wait").
+EARLY_BOUNDS = True
+
 # The combine's head-dim slice and how many fp32 partials a program loads at once (CHUNK_S x D_SLICE).
 COMBINE_D_SLICE = 32
 COMBINE_CHUNK_ELEMS = 4096
@@ -666,6 +683,7 @@ def _paged_attention_triton(
         SHAPE=shape,
         TILE=plan.tile,
         USE_PDL=pdl,
+        EARLY_BOUNDS=pdl and EARLY_BOUNDS,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **launch_options(pdl),
@@ -730,6 +748,7 @@ def _split_attention(
         BLOCK_N=plan.tile[2],
         NUM_STAGES=plan.num_stages,
         USE_PDL=pdl,
+        EARLY_BOUNDS=pdl and EARLY_BOUNDS,
         num_warps=plan.num_warps,
         **launch_options(pdl),
     )

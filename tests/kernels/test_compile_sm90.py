@@ -38,6 +38,13 @@ def test_split_kernels_compile_for_sm90(tmp_path):
     both = ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
     for name, r in {**split, **combine}.items():
         assert r["pdl"] == both and r["cubin_bytes"] > 0, name
+    # The decode kernels read the row's bounds before the wait (attention.EARLY_BOUNDS): three or four
+    # int32 loads (query_start_loc twice, seq_lens, kv_floor), and nothing else (the query and the KV,
+    # which the previous kernel may write, after it). Checked in the PTX: the compiler keeps the order.
+    one_launch = results["one-launch decode"]
+    assert one_launch["pdl"] == both, one_launch
+    for name, r in {**split, "one-launch decode": one_launch}.items():
+        assert 3 <= r["loads_before_wait"] <= 4, (name, r["loads_before_wait"])
     # paged_attention's launcher compiles what it launches: the one-launch kernel for batch 64 and the
     # prefill, the split path for the small decode batches (a keyword the kernel lacks would fail here).
     launcher = {name: r["kv_splits"] for name, r in results.items() if name.startswith("launcher")}
@@ -50,7 +57,11 @@ def test_split_kernels_compile_for_sm90(tmp_path):
     ]
     unsplit = sorted(name for name, splits in launcher.items() if splits == 1)
     assert unsplit == ["launcher B2 q64 W0", "launcher B64 q1 W0", "launcher B64 q1 W1024"]
-    others = {name: r for name, r in results.items() if not name.startswith(("split", "combine", "launcher"))}
+    others = {
+        name: r
+        for name, r in results.items()
+        if not name.startswith(("split", "combine", "launcher", "one-launch"))
+    }
     assert sorted(others) == [
         "greedy chunk max",
         "greedy row pick",
