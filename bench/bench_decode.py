@@ -155,8 +155,8 @@ def run(
 # (the head's output converted to fp32, then torch's row max); "no split-K" runs every projection as one
 # plain GEMM (RAYSTATE_SPLIT_K=0; raystate.kernels.split_k); "weights as stored" keeps every projection's
 # weight row-major as loaded (RAYSTATE_WEIGHT_LAYOUT=as_stored; raystate.model.weight_layout); "bounds
-# after wait" has the attention kernels read the row's bounds after their PDL wait (attention.EARLY_BOUNDS
-# off). Those eight are run only when named in --configs.
+# after wait" and "first block ids before wait" set what the attention kernels read before their PDL wait
+# (attention.EARLY_READS 0 and 2; shipped: 1). Those nine are run only when named in --configs.
 CONFIGS = (
     ("graphs + async", True, True, "default"),
     ("graphs + async, unguarded argmax", True, True, "unguarded"),
@@ -167,7 +167,8 @@ CONFIGS = (
     ("graphs + async + fp32 greedy", True, True, "fp32_greedy"),
     ("graphs + async + no split-K", True, True, "no_split_k"),
     ("graphs + async + weights as stored", True, True, "as_stored"),
-    ("graphs + async + bounds after wait", True, True, "late_bounds"),
+    ("graphs + async + bounds after wait", True, True, "early_reads_0"),
+    ("graphs + async + first block ids before wait", True, True, "early_reads_2"),
     ("graphs", True, False, "default"),
     ("eager", False, False, "default"),
 )
@@ -248,7 +249,8 @@ OPT_IN_VARIANTS = (
     "fp32_greedy",
     "no_split_k",
     "as_stored",
-    "late_bounds",
+    "early_reads_0",
+    "early_reads_2",
 )
 
 
@@ -258,8 +260,8 @@ def step_variant(variant: str):
     cost; "no_split": no split-KV decode attention; "cublaslt": projections through cuBLASLt;
     "no_pdl": every kernel launched plainly; "fp32_greedy": greedy ids from an fp32 copy of the head's
     output by torch's row max; "no_split_k": no split-K projections; "as_stored": projection weights
-    row-major as loaded; "late_bounds": the attention kernels read the row's bounds after their PDL wait
-    (attention.EARLY_BOUNDS off); "default" and "logprobs": as shipped."""
+    row-major as loaded; "early_reads_N": attention.EARLY_READS = N; "default" and "logprobs": as
+    shipped."""
     if variant in ("default", "logprobs"):
         yield
         return
@@ -297,15 +299,15 @@ def step_variant(variant: str):
         finally:
             torch.backends.cuda.preferred_blas_library(saved_library)
         return
-    if variant == "late_bounds":
+    if variant.startswith("early_reads_"):
         from raystate.kernels import attention
 
-        saved = attention.EARLY_BOUNDS
-        attention.EARLY_BOUNDS = False
+        saved = attention.EARLY_READS
+        attention.EARLY_READS = int(variant.removeprefix("early_reads_"))
         try:
             yield
         finally:
-            attention.EARLY_BOUNDS = saved
+            attention.EARLY_READS = saved
         return
     if variant == "no_split":
         from raystate.kernels import attention_launch

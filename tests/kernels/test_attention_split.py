@@ -228,6 +228,27 @@ def test_key_loop_stages(stages, device, split_calls):
     assert split_calls == [launch.kv_splits]
 
 
+@pytest.mark.parametrize("level", [0, 2])
+def test_early_read_levels_change_nothing(level, device, split_calls, monkeypatch):
+    """attention.EARLY_READS moves loads before the PDL wait (level 2: the split kernel's first key step
+    runs straight-line on block ids loaded early, the rest in the loop) and nothing else: both kernels
+    give bit for bit what the shipped level gives, on rows with one key step, several, empty spans,
+    floors, windows, idle rows and multi-query rows."""
+    batches = [
+        PagedBatch(
+            device, gen(47), [1, 20, 5, 1, 0], [100, 20, 60, 45, 9], num_q_heads=8, num_kv_heads=2,
+            window=30, floors=[0, 0, 10, 3, 0],
+        ),
+        PagedBatch(device, gen(48), [1, 1, 1], [1, 17, 200], num_q_heads=4, num_kv_heads=2),
+    ]  # fmt: skip
+    launches = [split_launch(3), split_launch(16, min_keys=16), split_launch(2, block_n=32, stages=1), None]
+    shipped = [[b.run(launch=launch, max_query_len=1).clone() for launch in launches] for b in batches]
+    monkeypatch.setattr(attention, "EARLY_READS", level)
+    for batch, expected in zip(batches, shipped, strict=True):
+        for launch, want in zip(launches, expected, strict=True):
+            assert torch.equal(batch.run(launch=launch, max_query_len=1), want), (level, launch)
+
+
 def test_combine_over_more_splits_than_one_chunk(device, split_calls, monkeypatch):
     """More splits than the combine loads at once: it merges them chunk by chunk, in split order."""
     monkeypatch.setattr(attention, "COMBINE_CHUNK_ELEMS", 4 * attention.COMBINE_D_SLICE)  # 4 splits a chunk
