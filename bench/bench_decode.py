@@ -155,8 +155,8 @@ def run(
 # (the head's output converted to fp32, then torch's row max); "no split-K" runs every projection as one
 # plain GEMM (RAYSTATE_SPLIT_K=0; raystate.kernels.split_k); "weights as stored" keeps every projection's
 # weight row-major as loaded (RAYSTATE_WEIGHT_LAYOUT=as_stored; raystate.model.weight_layout); "bounds
-# after wait" and "first block ids before wait" set what the attention kernels read before their PDL wait
-# (attention.EARLY_READS 0 and 2; shipped: 1). Those nine are run only when named in --configs.
+# after wait" has the attention kernels read the row's bounds after their PDL wait (attention.EARLY_BOUNDS
+# off). Those eight are run only when named in --configs.
 CONFIGS = (
     ("graphs + async", True, True, "default"),
     ("graphs + async, unguarded argmax", True, True, "unguarded"),
@@ -167,8 +167,7 @@ CONFIGS = (
     ("graphs + async + fp32 greedy", True, True, "fp32_greedy"),
     ("graphs + async + no split-K", True, True, "no_split_k"),
     ("graphs + async + weights as stored", True, True, "as_stored"),
-    ("graphs + async + bounds after wait", True, True, "early_reads_0"),
-    ("graphs + async + first block ids before wait", True, True, "early_reads_2"),
+    ("graphs + async + bounds after wait", True, True, "late_bounds"),
     ("graphs", True, False, "default"),
     ("eager", False, False, "default"),
 )
@@ -249,8 +248,7 @@ OPT_IN_VARIANTS = (
     "fp32_greedy",
     "no_split_k",
     "as_stored",
-    "early_reads_0",
-    "early_reads_2",
+    "late_bounds",
 )
 
 
@@ -260,8 +258,8 @@ def step_variant(variant: str):
     cost; "no_split": no split-KV decode attention; "cublaslt": projections through cuBLASLt;
     "no_pdl": every kernel launched plainly; "fp32_greedy": greedy ids from an fp32 copy of the head's
     output by torch's row max; "no_split_k": no split-K projections; "as_stored": projection weights
-    row-major as loaded; "early_reads_N": attention.EARLY_READS = N; "default" and "logprobs": as
-    shipped."""
+    row-major as loaded; "late_bounds": the attention kernels read the row's bounds after their PDL wait
+    (attention.EARLY_BOUNDS off); "default" and "logprobs": as shipped."""
     if variant in ("default", "logprobs"):
         yield
         return
@@ -299,15 +297,15 @@ def step_variant(variant: str):
         finally:
             torch.backends.cuda.preferred_blas_library(saved_library)
         return
-    if variant.startswith("early_reads_"):
+    if variant == "late_bounds":
         from raystate.kernels import attention
 
-        saved = attention.EARLY_READS
-        attention.EARLY_READS = int(variant.removeprefix("early_reads_"))
+        saved = attention.EARLY_BOUNDS
+        attention.EARLY_BOUNDS = False
         try:
             yield
         finally:
-            attention.EARLY_READS = saved
+            attention.EARLY_BOUNDS = saved
         return
     if variant == "no_split":
         from raystate.kernels import attention_launch
@@ -339,6 +337,29 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
+LONG_GAP_US = 20.0  # a gap in the GPU's timeline this long or longer is the host's, between two steps
+
+
+def idle_gaps(kernels) -> tuple[float, float, int]:
+    """The GPU's idle time over the profiled kernels' timeline (us): in gaps shorter than LONG_GAP_US
+    (between the kernels of a graph; a programmatic dependent that overlaps its predecessor leaves none),
+    in longer ones, and how many short gaps. The difference between a step's wall time and its kernels'
+    time is these gaps (where kernels never overlap)."""
+    spans = sorted((evt.time_range.start, evt.time_range.end) for evt in kernels)
+    small = large = 0.0
+    num_small = 0
+    frontier = spans[0][1] if spans else 0.0
+    for start, end in spans[1:]:
+        gap = start - frontier
+        if gap >= LONG_GAP_US:
+            large += gap
+        elif gap > 0:
+            small += gap
+            num_small += 1
+        frontier = max(frontier, end)
+    return small, large, num_small
+
+
 def print_profile(prof, steps: int, layer_types: tuple[str, ...], floor: float) -> None:
     """Kernel time per decode step by kind (GEMM, attention, the rest) and the largest kernels, from a
     torch.profiler run over `steps` steady decode steps; then the attention launches of full-attention
@@ -358,6 +379,11 @@ def print_profile(prof, steps: int, layer_types: tuple[str, ...], floor: float) 
         f"profile of {steps} decode steps: kernels {busy / 1e3:.3f} ms per step = "
         f"{busy * 1e-6 / floor:.2f}x the floor; "
         + ", ".join(f"{k} {v / 1e3:.3f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    )
+    small, large, num_small = idle_gaps(kernels)
+    print(
+        f"  GPU idle per step: {small / steps:.1f} us in {num_small // steps} gaps under {LONG_GAP_US:g} us "
+        f"(between kernels, inside a step's graph), {large / steps:.1f} us in longer gaps (between steps)"
     )
     for name, ts in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:14]:
         per_call = sum(ts) / len(ts)

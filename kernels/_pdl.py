@@ -13,7 +13,7 @@ the kernel sees memory exactly as after a plain launch, and transitively so: a k
 launch only once its own predecessor has finished, so when a dependent's wait returns, every kernel before
 it has finished too; and before its wait, only the kernel launched just before it may still run. Most
 kernels wait as their first statement; the attention kernels first read their rows' bounds
-(attention.EARLY_READS), step inputs that only the host and the step's metadata write, before the first
+(attention.EARLY_BOUNDS), step inputs that only the host and the step's metadata write, before the first
 layer, never a dependent kernel.
 Kernels launched plainly (cuBLAS, torch) are unaffected; a dependent that follows one of them waits
 for it to finish as a plain launch would, and gains only the launch overlap.

@@ -314,7 +314,7 @@ def _paged_attention_kernel(
     SHAPE: tl.constexpr,  # (HEAD_DIM, BLOCK_D, BLOCK_SIZE, GROUP, HAS_FLOOR, DOT_PRECISION, DOT_IN_FP32)
     TILE: tl.constexpr,  # (BLOCK_Q, BLOCK_M, BLOCK_N, ROW_PROGRAMS), from attention_launch
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent (raystate.kernels._pdl)
-    EARLY_READS: tl.constexpr,  # with USE_PDL, 1 or 2: read the row's bounds before waiting (EARLY_READS)
+    EARLY_BOUNDS: tl.constexpr,  # with USE_PDL: read the row's bounds before waiting (EARLY_BOUNDS below)
 ):
     """One program: BLOCK_Q query tokens of one batch row times the GROUP query heads of one kv head
     (the tile layout: grid (tiles * H_kv,)), or every query tile of one row (ROW_PROGRAMS, the decode
@@ -333,7 +333,7 @@ def _paged_attention_kernel(
     HAS_FLOOR: tl.constexpr = SHAPE[4]
     BLOCK_Q: tl.constexpr = TILE[0]
     ROW_PROGRAMS: tl.constexpr = TILE[3]
-    if EARLY_READS == 0:
+    if not EARLY_BOUNDS:
         pdl_prologue(USE_PDL)
     if ROW_PROGRAMS:
         row = tl.program_id(0)
@@ -357,7 +357,7 @@ def _paged_attention_kernel(
     q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + row)
     floor = tl.maximum(tl.load(kv_floor_ptr + row), 0) if HAS_FLOOR else row * 0
-    if EARLY_READS >= 1:
+    if EARLY_BOUNDS:
         pdl_prologue(USE_PDL)
     block_table_row = block_table_ptr + row.to(tl.int64) * bt_strides[0]
     k_head_ptr = k_cache_ptr + kv_head.to(tl.int64) * k_strides[2]
@@ -383,62 +383,6 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _split_span(q_pos, live, floor, sliding_window, split, BLOCK_N: tl.constexpr):
-    """This program's span [span_lo, span_hi) of a query token's keys [lo, q_pos]: the keys are cut into
-    spans of chunk = cdiv(keys, S) rounded up to whole BLOCK_N steps (at least min_chunk) from lo; a span
-    past the keys is empty."""
-    split_id, num_splits, min_chunk = split
-    lo = tl.maximum(floor, tl.where(sliding_window > 0, q_pos - sliding_window + 1, 0))
-    keys = tl.where(live, tl.maximum(q_pos + 1 - lo, 0), 0)
-    per_split = (keys + num_splits - 1) // num_splits
-    chunk = tl.maximum((per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N, min_chunk)
-    span_lo = lo + split_id * chunk
-    return span_lo, tl.minimum(span_lo + chunk, lo + keys)
-
-
-@triton.jit
-def _span_block_ids(bt_row, bt_col, start, span_hi, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The block ids of key step [start, start + BLOCK_N), 0 past span_hi: int64 [BLOCK_N]."""
-    k_pos = start + tl.arange(0, BLOCK_N)
-    return tl.load(bt_row + (k_pos // BLOCK_SIZE) * bt_col, mask=k_pos < span_hi, other=0).to(tl.int64)
-
-
-@triton.jit
-def _split_key_step(
-    q, m_i, l_i, acc, blocks, start, span_hi, kv, scale_log2, offs_d, d_valid,
-    SHAPE: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """One step of BLOCK_N keys from `start` (their block ids given) folded into the running softmax."""
-    BLOCK_SIZE: tl.constexpr = SHAPE[2]
-    DOT_PRECISION: tl.constexpr = SHAPE[5]
-    DOT_IN_FP32: tl.constexpr = SHAPE[6]
-    _, _, k_head, v_head, k_strides, v_strides = kv
-    k_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    k_valid = k_pos < span_hi
-    slots = k_pos % BLOCK_SIZE
-    kv_mask = k_valid[:, None] & d_valid[None, :]  # [BLOCK_N, BLOCK_D]
-    k_off = blocks * k_strides[0] + slots * k_strides[1]  # [BLOCK_N]
-    v_off = blocks * v_strides[0] + slots * v_strides[1]
-    # K and V of the step are requested together: V does not wait for the scores.
-    k_t = tl.load(
-        k_head + k_off[None, :] + offs_d[:, None] * k_strides[3], mask=tl.trans(kv_mask), other=0.0
-    )  # [BLOCK_D, BLOCK_N]
-    v = tl.load(v_head + v_off[:, None] + offs_d[None, :] * v_strides[3], mask=kv_mask, other=0.0)
-    if DOT_IN_FP32:
-        k_t = k_t.to(tl.float32)
-        v = v.to(tl.float32)
-    scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-    scores = tl.where(k_valid[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a span with no key: exp2 gives 0
-    p = tl.exp2(scores - m_shift[:, None])
-    alpha = tl.exp2(m_i - m_shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _split_token(
     io,  # (query_ptr, acc_ptr, ml_ptr, q_strides, acc_strides, ml_strides)
     kv,  # (block_table_row, bt_col_stride, k_head_ptr, v_head_ptr, k_strides, v_strides)
@@ -450,25 +394,29 @@ def _split_token(
     scale_log2,
     split,  # (this program's split, the number of splits, the fewest keys a split takes)
     lanes,  # (offs_m, heads, m_valid, offs_d, d_valid): this kv head's query heads, the head dim
-    first_blocks,  # int64 [BLOCK_N]: the first key step's block ids, with FIRST_BLOCKS (else unused)
     SHAPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    FIRST_BLOCKS: tl.constexpr,  # the first key step takes first_blocks (loaded before the PDL wait)
 ):
-    """One query token's GROUP heads over this program's span of the token's keys (_split_span): the
-    partial softmax stored at (token, head, split); an empty span stores m = -inf, l = 0, acc = 0
-    (weight 0 in the combine). With FIRST_BLOCKS the first key step runs straight-line on the block ids
-    the caller loaded, the rest in the loop; the same arithmetic in the same order either way."""
+    """One query token's GROUP heads over this program's split of the token's keys [lo, q_pos]: the
+    partial softmax stored at (token, head, split). Its keys are cut into spans of chunk = cdiv(keys, S)
+    rounded up to whole BLOCK_N steps (at least min_chunk) from lo; a span past the keys is empty and
+    stores m = -inf, l = 0, acc = 0 (weight 0 in the combine)."""
     BLOCK_D: tl.constexpr = SHAPE[1]
     BLOCK_SIZE: tl.constexpr = SHAPE[2]
+    DOT_PRECISION: tl.constexpr = SHAPE[5]
     DOT_IN_FP32: tl.constexpr = SHAPE[6]
     query_ptr, acc_ptr, ml_ptr, q_strides, acc_strides, ml_strides = io
     bt_row, bt_col, k_head, v_head, k_strides, v_strides = kv
-    split_id = split[0]
+    split_id, num_splits, min_chunk = split
     offs_m, heads, m_valid, offs_d, d_valid = lanes
-    span_lo, span_hi = _split_span(q_pos, live, floor, sliding_window, split, BLOCK_N)
+    lo = tl.maximum(floor, tl.where(sliding_window > 0, q_pos - sliding_window + 1, 0))
+    keys = tl.where(live, tl.maximum(q_pos + 1 - lo, 0), 0)
+    per_split = (keys + num_splits - 1) // num_splits
+    chunk = tl.maximum((per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N, min_chunk)
+    span_lo = lo + split_id * chunk
+    span_hi = tl.minimum(span_lo + chunk, lo + keys)
     tok = token.to(tl.int64)
     # `live` broadcast to [BLOCK_M] before the &: Triton's interpreter rejects a tensor & scalar-bool mask.
     mask_m = m_valid & ((offs_m * 0 + live.to(tl.int32)) != 0)  # [BLOCK_M]
@@ -480,17 +428,31 @@ def _split_token(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the base-2 scores
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    loop_lo = span_lo
-    if FIRST_BLOCKS:
-        m_i, l_i, acc = _split_key_step(
-            q, m_i, l_i, acc, first_blocks, span_lo, span_hi, kv, scale_log2, offs_d, d_valid, SHAPE, BLOCK_N
-        )
-        loop_lo = span_lo + BLOCK_N
-    for start in tl.range(loop_lo, span_hi, BLOCK_N, num_stages=NUM_STAGES):
-        blocks = _span_block_ids(bt_row, bt_col, start, span_hi, BLOCK_SIZE, BLOCK_N)
-        m_i, l_i, acc = _split_key_step(
-            q, m_i, l_i, acc, blocks, start, span_hi, kv, scale_log2, offs_d, d_valid, SHAPE, BLOCK_N
-        )
+    for start in tl.range(span_lo, span_hi, BLOCK_N, num_stages=NUM_STAGES):
+        k_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        k_valid = k_pos < span_hi
+        blocks = tl.load(bt_row + (k_pos // BLOCK_SIZE) * bt_col, mask=k_valid, other=0).to(tl.int64)
+        slots = k_pos % BLOCK_SIZE
+        kv_mask = k_valid[:, None] & d_valid[None, :]  # [BLOCK_N, BLOCK_D]
+        k_off = blocks * k_strides[0] + slots * k_strides[1]  # [BLOCK_N]
+        v_off = blocks * v_strides[0] + slots * v_strides[1]
+        # K and V of the step are requested together: V does not wait for the scores.
+        k_t = tl.load(
+            k_head + k_off[None, :] + offs_d[:, None] * k_strides[3], mask=tl.trans(kv_mask), other=0.0
+        )  # [BLOCK_D, BLOCK_N]
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :] * v_strides[3], mask=kv_mask, other=0.0)
+        if DOT_IN_FP32:
+            k_t = k_t.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        scores = tl.where(k_valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a span with no key: exp2 gives 0
+        p = tl.exp2(scores - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
 
     ml_ptrs = ml_ptr + tok * ml_strides[0] + heads * ml_strides[1] + split_id * ml_strides[2]  # [BLOCK_M]
     tl.store(ml_ptrs, m_i, mask=mask_m)
@@ -524,8 +486,7 @@ def _split_kv_kernel(
     BLOCK_N: tl.constexpr,  # keys per step
     NUM_STAGES: tl.constexpr,  # software pipelining of the key loop (1: none)
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent; so is the combine after it
-    EARLY_READS: tl.constexpr,  # with USE_PDL, read before waiting: 1 the row's bounds, 2 and the first
-    # key step's block ids (EARLY_READS below)
+    EARLY_BOUNDS: tl.constexpr,  # with USE_PDL: read the row's bounds before waiting (EARLY_BOUNDS below)
 ):
     """Split-KV decode, grid (B, H_kv, S): program (row, kv head, split) attends the GROUP query heads of
     each of the row's query tokens over split `split` of that token's keys and stores the partial softmax
@@ -546,7 +507,7 @@ def _split_kv_kernel(
     HAS_FLOOR: tl.constexpr = SHAPE[4]
     # The combine may then be scheduled once every split program has started; it waits in
     # griddepcontrol.wait until this grid has finished and its partials are visible.
-    if EARLY_READS == 0:
+    if not EARLY_BOUNDS:
         pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -556,15 +517,7 @@ def _split_kv_kernel(
     q_end = tl.load(query_start_loc_ptr + row + 1)
     seq_len = tl.load(seq_lens_ptr + row)
     floor = tl.maximum(tl.load(kv_floor_ptr + row), 0) if HAS_FLOOR else row * 0
-    bt_row = block_table_ptr + row.to(tl.int64) * bt_strides[0]
-    first_pos = seq_len - q_end + q_start
-    first_live = q_end > q_start
-    if EARLY_READS >= 2:  # the first key step's block ids too, before the wait (EARLY_READS below)
-        span_lo, span_hi = _split_span(first_pos, first_live, floor, sliding_window, split, BLOCK_N)
-        first_blocks = _span_block_ids(bt_row, bt_strides[1], span_lo, span_hi, SHAPE[2], BLOCK_N)
-    else:
-        first_blocks = tl.zeros([BLOCK_N], tl.int64)
-    if EARLY_READS >= 1:
+    if EARLY_BOUNDS:
         pdl_prologue(USE_PDL)
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -574,18 +527,20 @@ def _split_kv_kernel(
     d_valid = offs_d < HEAD_DIM if HEAD_DIM != BLOCK_D else tl.full([BLOCK_D], 1, tl.int1)  # [BLOCK_D]
     lanes = (offs_m, kv_head * GROUP + offs_m, offs_m < GROUP, offs_d, d_valid)
     io = (query_ptr, acc_ptr, ml_ptr, q_strides, acc_strides, ml_strides)
+    bt_row = block_table_ptr + row.to(tl.int64) * bt_strides[0]
     k_head = k_cache_ptr + kv_head.to(tl.int64) * k_strides[2]
     v_head = v_cache_ptr + kv_head.to(tl.int64) * v_strides[2]
     kv = (bt_row, bt_strides[1], k_head, v_head, k_strides, v_strides)
+    first_pos = seq_len - q_end + q_start
     _split_token(
-        io, kv, q_start, first_pos, first_live, floor, sliding_window, scale_log2, split, lanes,
-        first_blocks, SHAPE, BLOCK_M, BLOCK_N, NUM_STAGES, EARLY_READS >= 2,
+        io, kv, q_start, first_pos, q_end > q_start, floor, sliding_window, scale_log2, split, lanes,
+        SHAPE, BLOCK_M, BLOCK_N, NUM_STAGES,
     )  # fmt: skip
     for token in range(q_start + 1, q_end):  # never for a decode row
         live = token < q_end  # a tensor under the interpreter too
         _split_token(
             io, kv, q_start * 0 + token, first_pos + (token - q_start), live, floor, sliding_window,
-            scale_log2, split, lanes, first_blocks, SHAPE, BLOCK_M, BLOCK_N, NUM_STAGES, False,
+            scale_log2, split, lanes, SHAPE, BLOCK_M, BLOCK_N, NUM_STAGES,
         )  # fmt: skip
 
 
@@ -651,15 +606,16 @@ def _split_combine_kernel(
     )
 
 
-# What the decode kernels read before griddepcontrol.wait, so that their first dependent round trips
-# overlap the previous kernel's tail: 0 nothing; 1 the row's bounds (query_start_loc, seq_lens, kv_floor);
-# 2 those and, in the split kernel, the block ids of the first key step. Safe because of what may still
-# run then: only the kernel launched just before (every earlier one has finished: raystate.kernels._pdl),
-# and no kernel launched as a programmatic dependent writes those tensors (the host and the step's
-# metadata, before the first layer, do). Everything the previous kernel may write (the query, the KV
-# cache, the partials) is read after the wait. A setting so that `bench_attention.py --split-only` and
-# bench_decode.py can time the levels side by side in one process.
-EARLY_READS = 1
+# Both decode kernels may read the row's bounds (query_start_loc, seq_lens, kv_floor) before
+# griddepcontrol.wait, so that this first dependent round trip overlaps the previous kernel's tail. Safe
+# because of what may still run then: only the kernel launched just before (every earlier one has
+# finished: raystate.kernels._pdl), and no kernel launched as a programmatic dependent writes those
+# tensors (the host and the step's metadata, before the first layer, do). Everything the previous
+# kernel may write (the query, the KV cache, the partials) is read after the wait. Passed with or without
+# PDL (without, the wait is a no-op: the same reads in the same order), so the interpreter runs the order
+# the GPU does. A switch so that `bench_attention.py --split-only` and bench_decode.py can time both ways
+# in one process. Measured on the H200 (BENCHMARKS.md "Row bounds before the PDL wait").
+EARLY_BOUNDS = True
 
 # The combine's head-dim slice and how many fp32 partials a program loads at once (CHUNK_S x D_SLICE).
 COMBINE_D_SLICE = 32
@@ -729,7 +685,7 @@ def _paged_attention_triton(
         SHAPE=shape,
         TILE=plan.tile,
         USE_PDL=pdl,
-        EARLY_READS=EARLY_READS,
+        EARLY_BOUNDS=EARLY_BOUNDS,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **launch_options(pdl),
@@ -794,7 +750,7 @@ def _split_attention(
         BLOCK_N=plan.tile[2],
         NUM_STAGES=plan.num_stages,
         USE_PDL=pdl,
-        EARLY_READS=EARLY_READS,
+        EARLY_BOUNDS=EARLY_BOUNDS,
         num_warps=plan.num_warps,
         **launch_options(pdl),
     )

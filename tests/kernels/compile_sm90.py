@@ -79,7 +79,7 @@ def main() -> None:
             q, cache, cache, acc, ml, table, qsl, lens, lens, 1.0, 0, 128,
             q.stride(), cache.stride(), cache.stride(), acc.stride(), ml.stride(), table.stride(),
             SHAPE=shape, BLOCK_M=max(16, group), BLOCK_N=block_n, NUM_STAGES=stages, USE_PDL=True,
-            EARLY_READS=attention.EARLY_READS, num_warps=4, grid=(rows, hkv, splits),
+            EARLY_BOUNDS=True, num_warps=4, grid=(rows, hkv, splits),
         )  # fmt: skip
         ptx = kernel.asm["ptx"]
         results[f"split hq{hq} hkv{hkv} d{d} N{block_n} s{stages}"] = {
@@ -89,15 +89,14 @@ def main() -> None:
             "pdl": sorted(set(re.findall(r"griddepcontrol\.\w+", ptx))),
             "loads_before_wait": loads_before_wait(ptx),
         }
-        if splits == 32:  # every level of EARLY_READS, for one shape: what each reads before the wait
-            for level in (0, 1, 2):
-                kernel = attention._split_kv_kernel.warmup(
-                    q, cache, cache, acc, ml, table, qsl, lens, lens, 1.0, 0, 128,
-                    q.stride(), cache.stride(), cache.stride(), acc.stride(), ml.stride(), table.stride(),
-                    SHAPE=shape, BLOCK_M=max(16, group), BLOCK_N=block_n, NUM_STAGES=stages, USE_PDL=True,
-                    EARLY_READS=level, num_warps=4, grid=(rows, hkv, splits),
-                )  # fmt: skip
-                results[f"early reads {level}"] = {"loads_before_wait": loads_before_wait(kernel.asm["ptx"])}
+        if splits == 32:  # the bounds after the wait, for one shape: nothing is read before it
+            kernel = attention._split_kv_kernel.warmup(
+                q, cache, cache, acc, ml, table, qsl, lens, lens, 1.0, 0, 128,
+                q.stride(), cache.stride(), cache.stride(), acc.stride(), ml.stride(), table.stride(),
+                SHAPE=shape, BLOCK_M=max(16, group), BLOCK_N=block_n, NUM_STAGES=stages, USE_PDL=True,
+                EARLY_BOUNDS=False, num_warps=4, grid=(rows, hkv, splits),
+            )  # fmt: skip
+            results["bounds after wait"] = {"loads_before_wait": loads_before_wait(kernel.asm["ptx"])}
         d_slice = min(d, attention.COMBINE_D_SLICE)
         kernel = attention._split_combine_kernel.warmup(
             acc, ml, q, qsl, rows, splits, acc.stride(), ml.stride(), q.stride(),
@@ -154,7 +153,7 @@ def one_launch_decode(attention) -> dict:
         q, cache, cache, q, table, qsl, lens, lens, rows, hkv, 1.0, 1024,
         q.stride(), cache.stride(), cache.stride(), q.stride(), table.stride(),
         SHAPE=(d, d, 16, hq // hkv, True, "tf32", False), TILE=(1, 16, 64, True), USE_PDL=True,
-        EARLY_READS=attention.EARLY_READS, num_warps=4, num_stages=2, launch_pdl=True, grid=(rows, hkv),
+        EARLY_BOUNDS=True, num_warps=4, num_stages=2, launch_pdl=True, grid=(rows, hkv),
     )  # fmt: skip
     ptx = kernel.asm["ptx"]
     return {
@@ -200,8 +199,8 @@ def other_kernels() -> dict:
 
 
 def loads_before_wait(ptx: str) -> int:
-    """Global loads the compiled code issues before griddepcontrol.wait (attention.EARLY_READS: the row's
-    bounds, at 2 also the first key step's block ids; the compiler must not move them past the wait, nor
+    """Global loads the compiled code issues before griddepcontrol.wait (attention.EARLY_BOUNDS: the row's
+    bounds; the compiler must not move them past the wait, nor
     the query or KV loads before it)."""
     head, _, _ = ptx.partition("griddepcontrol.wait")
     return len(re.findall(r"\bld\.global", head))

@@ -228,12 +228,10 @@ def test_key_loop_stages(stages, device, split_calls):
     assert split_calls == [launch.kv_splits]
 
 
-@pytest.mark.parametrize("level", [0, 2])
-def test_early_read_levels_change_nothing(level, device, split_calls, monkeypatch):
-    """attention.EARLY_READS moves loads before the PDL wait (level 2: the split kernel's first key step
-    runs straight-line on block ids loaded early, the rest in the loop) and nothing else: both kernels
-    give bit for bit what the shipped level gives, on rows with one key step, several, empty spans,
-    floors, windows, idle rows and multi-query rows."""
+def test_bounds_after_the_wait_change_nothing(device, split_calls, monkeypatch):
+    """attention.EARLY_BOUNDS only moves the row's bounds before the PDL wait: with it off both kernels
+    give bit for bit what they give as shipped, on rows with one key step, several, empty spans, floors,
+    windows, idle rows and multi-query rows."""
     batches = [
         PagedBatch(
             device, gen(47), [1, 20, 5, 1, 0], [100, 20, 60, 45, 9], num_q_heads=8, num_kv_heads=2,
@@ -243,10 +241,10 @@ def test_early_read_levels_change_nothing(level, device, split_calls, monkeypatc
     ]  # fmt: skip
     launches = [split_launch(3), split_launch(16, min_keys=16), split_launch(2, block_n=32, stages=1), None]
     shipped = [[b.run(launch=launch, max_query_len=1).clone() for launch in launches] for b in batches]
-    monkeypatch.setattr(attention, "EARLY_READS", level)
+    monkeypatch.setattr(attention, "EARLY_BOUNDS", not attention.EARLY_BOUNDS)
     for batch, expected in zip(batches, shipped, strict=True):
         for launch, want in zip(launches, expected, strict=True):
-            assert torch.equal(batch.run(launch=launch, max_query_len=1), want), (level, launch)
+            assert torch.equal(batch.run(launch=launch, max_query_len=1), want), launch
 
 
 def test_combine_over_more_splits_than_one_chunk(device, split_calls, monkeypatch):
