@@ -14,9 +14,9 @@ launch only once its own predecessor has finished, so when a dependent's wait re
 it has finished too; and before its wait, only the kernel launched just before it may still run. Most
 kernels wait as their first statement; the attention kernels first read their rows' bounds
 (attention.EARLY_BOUNDS), step inputs that only the host and the step's metadata write, before the first
-layer, never a dependent kernel.
-Kernels launched plainly (cuBLAS, torch) are unaffected; a dependent that follows one of them waits
-for it to finish as a plain launch would, and gains only the launch overlap.
+layer, never a dependent kernel. Kernels launched plainly (cuBLAS, torch) are unaffected; a dependent
+that follows one of them waits for it to finish as a plain launch would, and gains only the launch
+overlap.
 
 `RAYSTATE_PDL=0` (read at import) launches everything plainly; `set_enabled` does the same at run time
 (benchmarks compare the two in one process). Off the GPU, under Triton's interpreter, on a GPU before
