@@ -135,7 +135,11 @@ class HFTextStream(TextStream):
     with an `IncrementalDetokenizer` as its decoder."""
 
     def __init__(
-        self, tokenizer: Any, stop: list[str] | None = None, skip_special_tokens: bool = True
+        self,
+        tokenizer: Any,
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        super().__init__(stop, lambda token_ids, final: detok.push(token_ids, final=final))
+        super().__init__(stop, lambda token_ids, final: detok.push(token_ids, final=final), include_stop)

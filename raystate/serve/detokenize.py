@@ -6,8 +6,8 @@ back until its last byte arrives, and gives exactly the text `ByteTokenizer.deco
 sequence. Special tokens (BOS, EOS, PAD) carry no text and are skipped, as `decode` skips them.
 
 Stop strings are matched on the decoded text. A suffix that could still grow into a stop string is held
-back, so no text is ever sent that a later token would have to retract; the stop string itself is never
-sent (OpenAI semantics).
+back, so no text is ever sent that a later token would have to retract; the stop string itself is not
+sent (OpenAI semantics) unless the request asks for it (`include_stop_str_in_output`, vLLM's extension).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ class StopStrings:
     """Text deltas in, text safe to send out, cut before the first stop string (`TextStream`'s rule, for
     the byte tokenizer and a checkpoint's alike)."""
 
-    def __init__(self, stop: list[str] | None = None) -> None:
+    def __init__(self, stop: list[str] | None = None, include_stop: bool = False) -> None:
         self._stop = [s for s in (stop or []) if s]
+        self._include_stop = include_stop  # the text ends after the stop string, not before it
         self._longest = max((len(s) for s in self._stop), default=0)
         self._text = ""  # everything received
         self._sent = 0  # characters of _text handed out
@@ -45,6 +46,8 @@ class StopStrings:
         end = self._find_stop(search_from)
         if end is not None:
             self.stopped = True
+            if self._include_stop:  # of the stop strings found there, the shortest: it completed first
+                end += min(len(s) for s in self._stop if self._text.startswith(s, end))
         elif final:
             end = len(self._text)
         else:
@@ -77,7 +80,10 @@ class TextStream:
     """
 
     def __init__(
-        self, stop: list[str] | None = None, decode: Callable[[Iterable[int], bool], str] | None = None
+        self,
+        stop: list[str] | None = None,
+        decode: Callable[[Iterable[int], bool], str] | None = None,
+        include_stop: bool = False,
     ) -> None:
         if decode is None:
             utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -86,7 +92,7 @@ class TextStream:
                 return utf8.decode(bytes(t for t in token_ids if 0 <= t < NUM_BYTES), final=final)
 
         self._decode = decode
-        self._stop = StopStrings(stop)
+        self._stop = StopStrings(stop, include_stop)
 
     @property
     def text(self) -> str:

@@ -56,6 +56,8 @@ class Prepared:
     created: int = field(default_factory=lambda: int(time.time()))
     # max_tokens 0 with echo: each choice runs for one token that is dropped
     prompt_only: bool = False
+    # the text ends after the stop string found, not before it (vLLM's include_stop_str_in_output)
+    include_stop: bool = False
     # A chat with tools: makes each choice's `raystate.serve.tool_calls.ToolCallStream`, which turns its
     # text into content and tool calls; None: the text is the content.
     tool_stream: Callable[[], Any] | None = None
@@ -126,7 +128,7 @@ class Generation:
         self.choice = child.index % prep.n  # among its prompt's n choices
         self._updates = updates
         self._first: RequestUpdate | None = None
-        self._text = text if text is not None else TextStream(prep.stop)
+        self._text = text if text is not None else TextStream(prep.stop, include_stop=prep.include_stop)
         self._done = False  # the backend finished the request (nothing to abort)
         self._closed = False
         self.token_ids: list[int] = []

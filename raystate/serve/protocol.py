@@ -317,6 +317,7 @@ class _SamplingFields(_Request):
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # raystate extension; 0 or -1: off
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: list[str] | None = None
+    include_stop_str_in_output: bool | None = False  # vLLM's extension: the text keeps the stop string
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(1, ge=1, le=MAX_N)  # choices (per prompt); None: 1

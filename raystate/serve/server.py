@@ -408,6 +408,7 @@ class RaystateServer:
             endpoint="completions",
             prompts=parts,
             stop=req.stop,
+            include_stop=bool(req.include_stop_str_in_output),
             return_token_ids=bool(req.return_token_ids),
             include_usage=req.include_usage,
             prompt_only=prompt_only,
@@ -445,6 +446,7 @@ class RaystateServer:
             endpoint="chat",
             prompts=[PromptPart(ids, sampling)],
             stop=req.stop,
+            include_stop=bool(req.include_stop_str_in_output),
             return_token_ids=bool(req.return_token_ids),
             include_usage=req.include_usage,
             tool_stream=tool_stream,
@@ -524,7 +526,13 @@ class RaystateServer:
                 raise
             gens = [
                 Generation(
-                    self.client, prep, self.metrics, self._aborts, c, u, self.text.text_stream(prep.stop)
+                    self.client,
+                    prep,
+                    self.metrics,
+                    self._aborts,
+                    c,
+                    u,
+                    self.text.text_stream(prep.stop, prep.include_stop),
                 )
                 for c, u in zip(children, streams, strict=True)
             ]

@@ -136,14 +136,15 @@ class ModelText:
 
     # -- outputs -------------------------------------------------------------------------------------
 
-    def text_stream(self, stop: list[str] | None = None):
+    def text_stream(self, stop: list[str] | None = None, include_stop: bool = False):
         """A stream for one request's output ids: `push(ids, final) -> text delta`, `text`, `stopped`;
-        stop strings applied on the text, special tokens skipped."""
+        stop strings applied on the text (the text ends before the one found, or after it with
+        `include_stop`), special tokens skipped."""
         if self.is_hf:
             from raystate.hf.detokenize import HFTextStream
 
-            return HFTextStream(self.tokenizer, stop)
-        return TextStream(stop)
+            return HFTextStream(self.tokenizer, stop, include_stop=include_stop)
+        return TextStream(stop, include_stop=include_stop)
 
     # -- sampling defaults ---------------------------------------------------------------------------
 

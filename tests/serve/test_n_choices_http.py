@@ -243,6 +243,18 @@ def test_structured_output_and_stop_strings_hold_per_choice(app):
     for a, b in zip(full.choices, cut.choices, strict=True):
         assert b.text == a.text[: a.text.index(stop)] if stop in a.text else b.text == a.text
     assert cut.choices[0].finish_reason == "stop"
+    # ... and ends after it with vLLM's include_stop_str_in_output, streamed or not
+    extra = {**kw.pop("extra_body"), "include_stop_str_in_output": True}
+    kept = _complete(app, n=3, seed=5, stop=[stop], extra_body=extra, **kw)
+    for a, b in zip(full.choices, kept.choices, strict=True):
+        end = a.text.index(stop) + len(stop) if stop in a.text else len(a.text)
+        assert b.text == a.text[:end]
+    body = {"model": MODEL, "n": 3, "seed": 5, "stop": [stop], **kw, **extra}
+    streamed = ["", "", ""]
+    for event in _stream_events(app, "/v1/completions", body)[:-1]:
+        for choice in event["choices"]:
+            streamed[choice["index"]] += choice["text"]
+    assert streamed == [c.text for c in kept.choices]
 
 
 def test_a_closed_stream_aborts_every_choice(app):

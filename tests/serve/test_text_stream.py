@@ -49,6 +49,19 @@ def test_a_possible_stop_prefix_is_held_then_released():
     assert ts.push(list(b"ab"), final=True) == "ab"  # the end releases everything
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_include_stop_keeps_the_stop_string(chunk):
+    """vLLM's include_stop_str_in_output: the text ends after the stop string found (of several starting
+    there, the shortest, which completed first), however the tokens arrive; nothing after it is sent."""
+    ts = TextStream(["wor", "world"], include_stop=True)
+    ids = list(b"hello world, goodbye")
+    deltas = [ts.push(ids[i : i + chunk], final=i + chunk >= len(ids)) for i in range(0, len(ids), chunk)]
+    assert "".join(deltas) == "hello wor" == ts.text and ts.stopped
+    deltas, ts = _stream(list(b"one two three"), stop=["three", "two"])
+    keep = TextStream(["three", "two"], include_stop=True)
+    assert keep.push(list(b"one two three"), final=True) == "one two" and ts.text == "one "
+
+
 def test_earliest_of_several_stop_strings_wins():
     deltas, ts = _stream(list(b"one two three"), stop=["three", "two"])
     assert ts.text == "one " and ts.stopped
