@@ -5,9 +5,9 @@ Unknown request fields are ignored, as vLLM ignores them (OpenAI's SDKs send fie
 logs one warning per request naming them. Fields whose JSON type is a union (`prompt`, `stop`, message
 `content`, `tool_choice`) are checked by our own validators, so that a validation error's location is
 always the field's own name (`prompt`, `messages[0].role`) and never a pydantic union tag. Parameters
-raystate does not implement (`_NEUTRAL_ONLY`: `suffix`) are accepted only at their
-neutral value (and `best_of` only equal to `n`), so a client that relies on them gets a 400 naming the field
-instead of a quietly different answer.
+raystate does not implement (`_NEUTRAL_ONLY`: `suffix`, vLLM's `guided_*` and others) are accepted only
+at their neutral value (and `best_of` only equal to `n`), so a client that relies on them gets a 400
+naming the field instead of a quietly different answer.
 
 Every bad input must be a 400 naming the field, never a 500, and nothing a client sends may reach the
 engine in a form that breaks it: so `load_body` rejects, before pydantic sees the body, what Python's
@@ -269,8 +269,25 @@ def _unset(v: Any) -> bool:
 # Parameters raystate does not implement, accepted only at their neutral value: field -> (whether a value
 # is neutral, the 400's message). One table for both endpoints (a field absent from a request's model is
 # never checked); `_neutral_only` checks the value after pydantic has checked its type.
+def _true_or_unset(v: Any) -> bool:
+    return v is None or v is True
+
+
+_GUIDED = "not supported; use response_format (json_object, json_schema)"
 _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_unset, "suffix is not supported"),
+    # vLLM's extensions that its clients send and raystate does not implement
+    "guided_json": (_unset, _GUIDED),
+    "guided_regex": (_unset, _GUIDED),
+    "guided_choice": (_unset, _GUIDED),
+    "guided_grammar": (_unset, _GUIDED),
+    "structured_outputs": (_unset, _GUIDED),
+    "allowed_token_ids": (_unset, "not supported (logit_bias can mask tokens)"),
+    "bad_words": (_unset, "not supported"),
+    "use_beam_search": (_unset, "beam search is not supported"),
+    "truncate_prompt_tokens": (_unset, "not supported: prompts are never truncated"),
+    "skip_special_tokens": (_true_or_unset, "only true is supported: special tokens are not written"),
+    "spaces_between_special_tokens": (_true_or_unset, "only true is supported"),
 }
 
 
@@ -334,6 +351,18 @@ class _SamplingFields(_Request):
     min_p: float | None = None
     min_tokens: int | None = None
     response_format: ResponseFormat | None = None  # structured output (json_object, json_schema)
+    # vLLM's extensions raystate does not implement: a 400 unless neutral (_NEUTRAL_ONLY), not ignored
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    use_beam_search: Any = None
+    truncate_prompt_tokens: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod

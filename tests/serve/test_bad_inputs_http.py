@@ -183,6 +183,35 @@ def test_hostile_body_is_a_400(open_app, body):
     _assert_400(r, None)
 
 
+# vLLM's extensions that raystate does not implement: a 400 naming the field where a value would change
+# the answer, accepted at the neutral value (None, or true where true is what raystate does)
+UNSUPPORTED_EXTENSIONS = [
+    ('"guided_json": {"type": "object"}', '"guided_json": null', "guided_json"),
+    ('"guided_regex": "[a-z]+"', '"guided_regex": null', "guided_regex"),
+    ('"guided_choice": ["yes", "no"]', '"guided_choice": null', "guided_choice"),
+    ('"guided_grammar": "root ::= \\"a\\""', '"guided_grammar": null', "guided_grammar"),
+    ('"structured_outputs": {"json": {}}', '"structured_outputs": null', "structured_outputs"),
+    ('"allowed_token_ids": [1, 2]', '"allowed_token_ids": []', "allowed_token_ids"),
+    ('"bad_words": ["x"]', '"bad_words": null', "bad_words"),
+    ('"use_beam_search": true', '"use_beam_search": false', "use_beam_search"),
+    ('"truncate_prompt_tokens": 8', '"truncate_prompt_tokens": null', "truncate_prompt_tokens"),
+    ('"skip_special_tokens": false', '"skip_special_tokens": true', "skip_special_tokens"),
+    (
+        '"spaces_between_special_tokens": false',
+        '"spaces_between_special_tokens": true',
+        "spaces_between_special_tokens",
+    ),
+]
+
+
+@pytest.mark.parametrize(("used", "neutral", "param"), UNSUPPORTED_EXTENSIONS, ids=lambda x: x[:40])
+def test_unsupported_vllm_extension_is_refused_not_ignored(open_app, used, neutral, param):
+    prompt = '"prompt": "F1 ext"'
+    _assert_400(_post_raw(open_app, "/v1/completions", f"{CMPL}, {prompt}, {used}"), param)
+    _assert_400(_post_raw(open_app, "/v1/chat/completions", f'{CHAT}, "messages": [{USER}], {used}'), param)
+    assert _post_raw(open_app, "/v1/completions", f"{CMPL}, {prompt}, {neutral}").status_code == 200
+
+
 def test_engine_healthy_after_hostile_bodies(open_app):
     """The cases above end at validation: the engine still steps, and a good request still works."""
     assert httpx.get(f"{open_app.url}/health", timeout=60).status_code == 200
