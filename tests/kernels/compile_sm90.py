@@ -75,28 +75,26 @@ def main() -> None:
         ml = torch.empty(rows, hq, splits, 2, dtype=torch.float32)
         group = hq // hkv
         shape = (d, d, 16, group, True, "tf32", False)
-        kernel = attention._split_kv_kernel.warmup(
-            q, cache, cache, acc, ml, table, qsl, lens, lens, 1.0, 0, 128,
-            q.stride(), cache.stride(), cache.stride(), acc.stride(), ml.stride(), table.stride(),
-            SHAPE=shape, BLOCK_M=max(16, group), BLOCK_N=block_n, NUM_STAGES=stages, USE_PDL=True,
-            EARLY_BOUNDS=True, num_warps=4, grid=(rows, hkv, splits),
-        )  # fmt: skip
-        ptx = kernel.asm["ptx"]
-        results[f"split hq{hq} hkv{hkv} d{d} N{block_n} s{stages}"] = {
-            "shared": kernel.metadata.shared,
-            "cubin_bytes": len(kernel.asm["cubin"]),
-            "atomics": sorted(set(re.findall(r"atom\.[\w.]+", ptx))),
-            "pdl": sorted(set(re.findall(r"griddepcontrol\.\w+", ptx))),
-            "loads_before_wait": loads_before_wait(ptx),
-        }
-        if splits == 32:  # the bounds after the wait, for one shape: nothing is read before it
+
+        # As shipped (the row's bounds before the PDL wait), and for one shape with them after it too.
+        for early_bounds in (True, False) if splits == 32 else (True,):
             kernel = attention._split_kv_kernel.warmup(
                 q, cache, cache, acc, ml, table, qsl, lens, lens, 1.0, 0, 128,
                 q.stride(), cache.stride(), cache.stride(), acc.stride(), ml.stride(), table.stride(),
                 SHAPE=shape, BLOCK_M=max(16, group), BLOCK_N=block_n, NUM_STAGES=stages, USE_PDL=True,
-                EARLY_BOUNDS=False, num_warps=4, grid=(rows, hkv, splits),
+                EARLY_BOUNDS=early_bounds, num_warps=4, grid=(rows, hkv, splits),
             )  # fmt: skip
-            results["bounds after wait"] = {"loads_before_wait": loads_before_wait(kernel.asm["ptx"])}
+            ptx = kernel.asm["ptx"]
+            if not early_bounds:  # nothing is read before the wait
+                results["bounds after wait"] = {"loads_before_wait": loads_before_wait(ptx)}
+                continue
+            results[f"split hq{hq} hkv{hkv} d{d} N{block_n} s{stages}"] = {
+                "shared": kernel.metadata.shared,
+                "cubin_bytes": len(kernel.asm["cubin"]),
+                "atomics": sorted(set(re.findall(r"atom\.[\w.]+", ptx))),
+                "pdl": sorted(set(re.findall(r"griddepcontrol\.\w+", ptx))),
+                "loads_before_wait": loads_before_wait(ptx),
+            }
         d_slice = min(d, attention.COMBINE_D_SLICE)
         kernel = attention._split_combine_kernel.warmup(
             acc, ml, q, qsl, rows, splits, acc.stride(), ml.stride(), q.stride(),
