@@ -252,6 +252,13 @@ OPT_IN_VARIANTS = (
 )
 
 
+# variant: (module, constant, value for the run). "no_split": decode_kv_splits then gives 1.
+_MODULE_CONSTANTS = {
+    "late_bounds": ("raystate.kernels.attention", "EARLY_BOUNDS", False),
+    "no_split": ("raystate.kernels.attention_launch", "SPLIT_PROGRAMS_PER_SM", 0),
+}
+
+
 @contextlib.contextmanager
 def step_variant(variant: str):
     """ "unguarded": the graph's greedy step without the non-finite-row guard (a plain argmax), for its
@@ -297,25 +304,15 @@ def step_variant(variant: str):
         finally:
             torch.backends.cuda.preferred_blas_library(saved_library)
         return
-    if variant == "late_bounds":
-        from raystate.kernels import attention
-
-        saved = attention.EARLY_BOUNDS
-        attention.EARLY_BOUNDS = False
+    if variant in _MODULE_CONSTANTS:  # a module constant set for the run, then restored
+        module_name, attr, value = _MODULE_CONSTANTS[variant]
+        module = importlib.import_module(module_name)
+        saved = getattr(module, attr)
+        setattr(module, attr, value)
         try:
             yield
         finally:
-            attention.EARLY_BOUNDS = saved
-        return
-    if variant == "no_split":
-        from raystate.kernels import attention_launch
-
-        saved = attention_launch.SPLIT_PROGRAMS_PER_SM
-        attention_launch.SPLIT_PROGRAMS_PER_SM = 0  # decode_kv_splits then gives 1
-        try:
-            yield
-        finally:
-            attention_launch.SPLIT_PROGRAMS_PER_SM = saved
+            setattr(module, attr, saved)
         return
     from raystate.worker import cudagraph
 
