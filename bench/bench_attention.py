@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.testing
-from bench_decode import copy_bandwidth, graph_time_us
+from bench_decode import copy_bandwidth, graph_time_us, step_variant
 
 from raystate.kernels import _pdl, attention, cdiv, next_pow2, paged_attention
 from raystate.kernels.attention_launch import AttentionLaunch, device_limits, launch_config, plan_launch
@@ -344,26 +344,15 @@ def split_decode(args, hbm) -> list[dict]:
                 continue
             row[name] = us
             row[f"{name} of_hbm"] = one.kv_bytes() / (us * 1e-6) / hbm
-        if splits > 1:  # the same launches made plainly, not as programmatic dependents
-            name = "policy w/o PDL"
-            saved_pdl = _pdl.set_enabled(False)
-            try:
+        # The policy's launches as bench_decode's step variants make them, side by side in the same graphs:
+        # plainly, not as programmatic dependents (where they split), and with the row's bounds read after
+        # the PDL wait (attention.EARLY_BOUNDS off).
+        toggles = [("policy w/o PDL", "no_pdl")] if splits > 1 else []
+        for name, variant in [*toggles, ("bounds after wait", "late_bounds")]:
+            with step_variant(variant):
                 row[name] = graph_time_us(lambda i, c=copies: c[i % len(c)].run(), 2 * len(copies))
-            finally:
-                _pdl.set_enabled(saved_pdl)
             row[f"{name} of_hbm"] = one.kv_bytes() / (row[name] * 1e-6) / hbm
             variants = {**variants, name: None}
-        # The policy's launches with the row's bounds read on the other side of the PDL wait than shipped
-        # (attention.EARLY_BOUNDS): side by side, in the same graphs.
-        shipped_early = attention.EARLY_BOUNDS
-        name = "bounds after wait" if shipped_early else "bounds before wait"
-        attention.EARLY_BOUNDS = not shipped_early
-        try:
-            row[name] = graph_time_us(lambda i, c=copies: c[i % len(c)].run(), 2 * len(copies))
-        finally:
-            attention.EARLY_BOUNDS = shipped_early
-        row[f"{name} of_hbm"] = one.kv_bytes() / (row[name] * 1e-6) / hbm
-        variants = {**variants, name: None}
         ratio = row["policy"] / row["current"]
         row["policy/current"] = ratio
         row["slower"] = ratio > 1 + NOISE
