@@ -45,17 +45,27 @@ def _wait_for(lines: queue.Queue, needle: str, timeout_s: float) -> list[str]:
     raise AssertionError(f"{needle!r} not printed in {timeout_s} s; output: {''.join(seen)}")
 
 
-def test_serve_prints_url_serves_and_stops_on_ctrl_c():
-    port = free_port()
+def _start_serve(port: int, args: list[str], **popen) -> tuple[subprocess.Popen, queue.Queue]:
+    """`raystate serve --port PORT ARGS` (reference kernels, no API key from the environment), and a queue
+    its stdout lines arrive on."""
     env = {**os.environ, "RAYSTATE_KERNELS": "reference", "PYTHONUNBUFFERED": "1"}
     env.pop("RAYSTATE_API_KEY", None)
-    # Two ingress replicas: with direct HTTP (the default) both listen on the port (SO_REUSEPORT). No
-    # Ray dashboard: its line is printed only when the local Ray starts one.
-    cmd = [sys.executable, "-m", "raystate", "serve", "--port", str(port), "--api-key", KEY, "--name", "cli"]
-    cmd += ["--num-replicas", "2", "--no-ray-dashboard"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    cmd = [sys.executable, "-m", "raystate", "serve", "--port", str(port), *args]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, **popen
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+    return proc, lines
+
+
+def test_serve_prints_url_serves_and_stops_on_ctrl_c():
+    port = free_port()
+    # Two ingress replicas: with direct HTTP (the default) both listen on the port (SO_REUSEPORT). No
+    # Ray dashboard: its line is printed only when the local Ray starts one.
+    proc, lines = _start_serve(
+        port, ["--api-key", KEY, "--name", "cli", "--num-replicas", "2", "--no-ray-dashboard"]
+    )
     try:
         out = "".join(_wait_for(lines, "Ctrl-C", timeout_s=180))
         url = f"http://127.0.0.1:{port}"
@@ -96,19 +106,13 @@ def test_sigterm_to_the_whole_process_group_stops_without_waiting_on_the_dead_ra
     """GNU `timeout` and systemd's KillMode=control-group signal the whole group: the local Ray's daemons
     and replicas die with the server, so there is nothing to drain. The server says so and stops; before,
     it waited out a 30 s drain call and then a minute of the core worker retrying the GCS, and crashed."""
-    port = free_port()
-    env = {**os.environ, "RAYSTATE_KERNELS": "reference", "PYTHONUNBUFFERED": "1"}
-    env.pop("RAYSTATE_API_KEY", None)
-    cmd = [sys.executable, "-m", "raystate", "serve", "--port", str(port), "--name", "cli-group"]
-    cmd += ["--no-ray-dashboard"]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True
+    # its own session: the group is the server and its Ray
+    proc, lines = _start_serve(
+        free_port(), ["--name", "cli-group", "--no-ray-dashboard"], start_new_session=True
     )
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
     try:
         _wait_for(lines, "Ctrl-C", timeout_s=180)
-        os.killpg(proc.pid, signal.SIGTERM)  # its own session: the group is the server and its Ray
+        os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         rest = "".join(_wait_for(lines, "stopped", timeout_s=5))
         assert "SIGTERM" in rest and "exited on the same signal" in rest and "no drain" in rest
