@@ -298,6 +298,16 @@ def _serve(args: argparse.Namespace) -> int:
         **({"cors_allow_headers": _words(args.cors_header)} if args.cors_header else {}),
     )
     app = build_app(app_args)  # validates the arguments (and resolves the model) before Ray starts
+    if local and direct:
+        from raystate.serve.direct_http import port_in_use
+
+        if port_in_use(args.host, args.port):
+            print(
+                f"raystate: error: the server did not start: port {args.port} on {args.host} is in use "
+                "(another server? --port picks another)",
+                file=sys.stderr,
+            )
+            return 1
     engine_config = build_engine_config(engine_args)
     model = engine_config.model
     if local:

@@ -41,6 +41,21 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something listens on (host, port) already, another raystate's replicas included: a socket
+    without SO_REUSEPORT cannot bind where one is listening, with it or without. `raystate serve` asks
+    before starting, since its own replicas' SO_REUSEPORT bind would join another server's port and the
+    kernel would split the connections between the two servers."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT is free
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 class DirectHTTPServer:
     """uvicorn serving `app` on this process's running event loop, on a shared port (module docstring)."""
 

@@ -123,6 +123,21 @@ def test_sigterm_to_the_whole_process_group_stops_without_waiting_on_the_dead_ra
             proc.wait()
 
 
+def test_serve_refuses_a_port_another_server_listens_on():
+    """Another raystate's replicas listen with SO_REUSEPORT, which would let ours join their port and
+    split the connections between two servers: the CLI refuses the port before starting Ray."""
+    from raystate.serve.direct_http import reuse_port_socket
+
+    port = free_port()
+    env = {**os.environ, "RAYSTATE_KERNELS": "reference"}
+    cmd = [sys.executable, "-m", "raystate", "serve", "--port", str(port), "--name", "cli-port"]
+    with reuse_port_socket("127.0.0.1", port):
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"port {port} on 127.0.0.1 is in use" in r.stderr
+    assert "Started a local Ray" not in r.stdout + r.stderr
+
+
 def test_status_reports_an_unreachable_server():
     r = subprocess.run(
         [sys.executable, "-m", "raystate", "status", "--url", f"http://127.0.0.1:{free_port()}"],
