@@ -119,6 +119,11 @@ def run(
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(batch)}
+    clock = ReplayClock(llm) if graphs and torch.cuda.is_available() else None
+    if clock is not None:
+        print(
+            f"  CUDA graphs captured in {engine.worker.startup_s.get('cuda_graphs', 0.0):.2f} s", flush=True
+        )
     # Step time = the interval between successive step() calls once every request decodes, with no
     # device sync in the loop (a sync would stop async scheduling's overlap): in steady state the loop
     # runs at the pace of the slower of host and device, which is the rate a server would see.
@@ -132,10 +137,15 @@ def run(
 
             prof = profile(activities=[ProfilerActivity.CUDA])
             prof.start()
+        if clock is not None:
+            clock.waited = 0.0
+            clock.active = decoding and last is not None and len(times) < steps and prof is None
         updates = engine.step()
         now = time.perf_counter()
         if decoding and last is not None and len(times) < steps:
             times.append(now - last)
+            if clock is not None and clock.active:
+                clock.host_busy.append(now - last - clock.waited)
             if prof is not None and len(times) == 10 + profile_steps:
                 torch.cuda.synchronize()
                 prof.stop()
@@ -143,7 +153,74 @@ def run(
         for u in updates:
             tokens[u.req_id].extend(u.new_token_ids)
     torch.cuda.synchronize()
+    if clock is not None:
+        clock.restore()
+        clock.report()
     return times, llm, [tokens[f"r{i}"] for i in range(batch)], prof
+
+
+class ReplayClock:
+    """Where a graph step's wall time goes, without a sync in the loop, over the timed steps (`active`):
+    CUDA events around each graph replay (its staged-input copy and the graph) give the GPU's time per
+    replay and the interval from one replay's start to the next, whose rest is the GPU outside the graph
+    (the sampled ids' copy back, the next replay's launch, or waiting for the host). On the host: the
+    time inside `replay` (staging and the graph launch), and the step's wall time less the time blocked
+    waiting for the device's answer (ReadyEvent.synchronize)."""
+
+    def __init__(self, llm: LLM) -> None:
+        from raystate.worker import cudagraph
+
+        self._cudagraph = cudagraph
+        self.graphs = llm.engine.worker.graphs
+        self.active = False  # record this pass (a timed step)
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.in_replay: list[float] = []  # s of host time inside replay(), per timed step
+        self.host_busy: list[float] = []  # s per timed step: wall less waiting for the answer
+        self.waited = 0.0
+        replay, synchronize = self.graphs.replay, cudagraph.ReadyEvent.synchronize
+        self._saved = (replay, synchronize)
+
+        def timed_replay(*args, **kwargs):
+            if not self.active:
+                return replay(*args, **kwargs)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
+            start.record()
+            out = replay(*args, **kwargs)
+            end.record()
+            self.in_replay.append(time.perf_counter() - t)
+            self.events.append((start, end))
+            return out
+
+        def timed_synchronize(ready):
+            t = time.perf_counter()
+            synchronize(ready)
+            self.waited += time.perf_counter() - t
+
+        self.graphs.replay = timed_replay
+        cudagraph.ReadyEvent.synchronize = timed_synchronize
+
+    def restore(self) -> None:
+        del self.graphs.replay  # the instance attribute; the class's method shows again
+        self._cudagraph.ReadyEvent.synchronize = self._saved[1]
+
+    def report(self) -> None:
+        pairs = self.events[2:]  # consecutive replays of the timed steps
+        if len(pairs) < 3:
+            return
+        inside = [s.elapsed_time(e) * 1e3 for s, e in pairs[:-1]]  # us
+        period = [a[0].elapsed_time(b[0]) * 1e3 for a, b in zip(pairs[:-1], pairs[1:], strict=True)]
+        outside = [p - i for p, i in zip(period, inside, strict=True)]
+        med = statistics.median
+        in_replay = [t * 1e6 for t in self.in_replay[2:]]
+        busy = [t * 1e6 for t in self.host_busy[2:]]
+        print(
+            f"  GPU per step: graph replay {med(inside):.1f} us, replay start to next {med(period):.1f} us, "
+            f"outside the graph {med(outside):.1f} us (median; max {max(outside):.1f}). Host per step: "
+            f"{med(in_replay):.0f} us inside replay() (max {max(in_replay):.0f}), "
+            f"busy {med(busy):.0f} us (wall less waiting for the answer)",
+            flush=True,
+        )
 
 
 # (label, CUDA graphs, async scheduling, variant): "unguarded" replaces the graph's checked greedy step
@@ -231,11 +308,12 @@ def main() -> None:
             print(f"[{label}]", end=" ")
             print_profile(prof, 3, layer_types, floor)
             torch.cuda.empty_cache()
-    base = results.get("eager")
-    for label in medians if base is not None else ():
-        if label != "eager":
-            same = sum(a == b for a, b in zip(results[label], base, strict=True))
-            print(f"{label} vs eager: {same}/{args.batch} requests with identical tokens")
+    # Every configuration against eager where it ran, else against the first one run.
+    base_label = "eager" if "eager" in results else next(iter(results), None)
+    for label in results if base_label is not None else ():
+        if label != base_label:
+            same = sum(a == b for a, b in zip(results[label], results[base_label], strict=True))
+            print(f"{label} vs {base_label}: {same}/{args.batch} requests with identical tokens")
     if args.plot:
         plot(args.plot, medians, floor, args, name)
 
@@ -290,7 +368,9 @@ def step_variant(variant: str):
         from raystate.worker import cudagraph
 
         saved_guard = cudagraph.greedy_checked
-        cudagraph.greedy_checked = lambda logits: greedy_checked_ref(logits.float(), FAILED_ROW)
+        cudagraph.greedy_checked = lambda logits, out: out.copy_(
+            greedy_checked_ref(logits.float(), FAILED_ROW)
+        )
         try:
             yield
         finally:
@@ -317,7 +397,7 @@ def step_variant(variant: str):
     from raystate.worker import cudagraph
 
     saved_guard = cudagraph.greedy_checked
-    cudagraph.greedy_checked = lambda logits: torch.argmax(logits, dim=-1)
+    cudagraph.greedy_checked = lambda logits, out: out.copy_(torch.argmax(logits, dim=-1))
     try:
         yield
     finally:

@@ -78,16 +78,22 @@ def _row_pick_kernel(
     tl.store(out_ptr + row, tl.where(finite, best, failed_id))
 
 
-def greedy_checked(logits: torch.Tensor, failed_id: int) -> torch.Tensor:
+def greedy_checked(logits: torch.Tensor, failed_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [N]: each row's first maximal column of logits [N, V] (any float dtype), or `failed_id` where
-    the row's maximum is not finite. Two launches, no host sync (CUDA-graph safe)."""
+    the row's maximum is not finite; written into `out` (int64 [N], contiguous) when given, which saves
+    the decode graph a copy launch. Two launches, no host sync (CUDA-graph safe)."""
     if not use_triton(logits):
-        return greedy_checked_ref(logits, failed_id)
+        ids = greedy_checked_ref(logits, failed_id)
+        return ids if out is None else out.copy_(ids)
     n, vocab = logits.shape
     assert logits.stride(1) == 1, "rows must be contiguous"
     block = min(CHUNK, next_pow2(vocab))
     chunks = cdiv(vocab, block)
-    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    assert out.shape == (n,) and out.dtype == torch.int64 and out.is_contiguous(), (
+        "out: int64 [N], contiguous"
+    )
     if n == 0:
         return out
     chunk_max = torch.empty((n, chunks), dtype=torch.float32, device=logits.device)

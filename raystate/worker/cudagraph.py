@@ -6,13 +6,14 @@ casts) costs more than the forward's launches once those are replayed. So each g
 padded batch size (1, 2, 4, ... max_num_seqs), holds the step's device work from its host inputs on:
 
     staged row data (one pinned host -> device copy per step: state slot, position, seq len, query start)
-    -> chunk starts scattered into the token-state's device copy -> input ids gathered from the token
-    history -> engram lookback, slot mappings, block tables gathered per row and attention metadata (the
-    model state's `build_metadata`, the eager step's own) -> forward -> logits -> greedy argmax
-    (FAILED_ROW where a row's logits are not finite) -> the argmax appended to the history. The plain
-    variant keeps the head's output in the model's dtype (the greedy ids are read from it; at a 262k
-    vocabulary an fp32 copy costs ~1% of a step); the others, and host-side sampling after it
-    (`sampling_logits`), have fp32 logits.
+    -> chunk starts scattered into the token-state's device copy (engram models, whose lookback gather
+    reads it) -> input ids gathered from the token history -> engram lookback, slot mappings, block
+    tables gathered per row and attention metadata (the model state's `build_metadata`, the eager step's
+    own) -> forward -> logits -> greedy argmax (FAILED_ROW where a row's logits are not finite) -> the
+    argmax appended to the history (one launch: `raystate.kernels.token_history`). The plain variant
+    keeps the head's output in the model's dtype (the greedy ids are read from it; at a 262k vocabulary
+    an fp32 copy costs ~1% of a step); the others, and host-side sampling after it (`sampling_logits`),
+    have fp32 logits.
 
 The host's share per step is filling the staging buffer, one copy, one replay, one copy of the sampled
 ids back. Rows past the batch size are padding: they point at the token state's scratch slot (never a
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from raystate.kernels.token_history import append_token_ids
 from raystate.worker.block_table import BlockTables
 from raystate.worker.logprobs import WIDTH, compute_logprobs
 from raystate.worker.model_state import HybridModelState
@@ -87,11 +89,13 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_num_seqs)
         max_b = self.max_b = self.sizes[-1]
         dev = parts.states.device
-        # Staging (int64): slots [Bmax] | positions [Bmax] | seq_lens [Bmax] | query_start_loc [Bmax + 1],
-        # in pinned memory on CUDA so its copy is asynchronous.
+        # Staging: slots and positions as int64 [Bmax] each (torch's indexing takes int64), then seq_lens
+        # [Bmax] and query_start_loc [Bmax + 1] as int32 in the bytes after them (the attention kernels'
+        # dtype, read through an int32 view: no cast launches in the step). One buffer, so one copy, in
+        # pinned memory on CUDA so that it is asynchronous.
         pin = dev.type == "cuda"
-        n = 4 * max_b + 1
-        self.staged = torch.zeros(n, dtype=torch.int64, device=dev)  # int64 [4 Bmax + 1]
+        n = 2 * max_b + (2 * max_b + 2) // 2
+        self.staged = torch.zeros(n, dtype=torch.int64, device=dev)  # int64 [3 Bmax + 1]
         vocab_size = parts.model.config.vocab_size
         self.logits = torch.zeros((max_b, vocab_size), dtype=torch.float32, device=dev)  # fp32 [Bmax, V]
         # The head's output in the model's dtype: the plain variant's greedy ids are taken from it, and
@@ -104,7 +108,7 @@ class DecodeGraphs:
         self._logits_written = False  # whether the last replay wrote fp32 logits into `logits`
         self.sampled = torch.zeros(max_b, dtype=torch.int64, device=dev)  # greedy ids [Bmax]
         # Two of each host buffer, used in turn: a step may be launched before the last one is finished.
-        self.host_bufs = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]  # [4 Bmax + 1]
+        self.host_bufs = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]  # [3 Bmax + 1]
         self.sampled_bufs = [torch.zeros(max_b, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         # Logprob variants: packed rows (sampled id included), and their host buffers, used in turn.
         self.lp_out = torch.zeros((max_b, WIDTH), dtype=torch.int32, device=dev)  # int32 [Bmax, WIDTH]
@@ -119,8 +123,10 @@ class DecodeGraphs:
     # -- the captured step ----------------------------------------------------------------------------
 
     def _views(self, size: int) -> tuple[torch.Tensor, ...]:
+        """slots, positions (int64 [size]), seq_lens (int32 [size]), query_start_loc (int32 [size + 1])."""
         m, st = self.max_b, self.staged
-        return st[:size], st[m : m + size], st[2 * m : 2 * m + size], st[3 * m : 3 * m + size + 1]
+        st32 = st[2 * m :].view(torch.int32)
+        return st[:size], st[m : m + size], st32[:size], st32[m : m + size + 1]
 
     def staged_slots(self, b: int) -> torch.Tensor:
         """The slots of the last replayed step's first b rows (int64 [b], on the device)."""
@@ -132,14 +138,15 @@ class DecodeGraphs:
         greedy ids' logprob rows are packed into `lp_out`."""
         p = self.parts
         states = p.states
-        slots, positions, seq_lens, qsl = self._views(size)  # int64 [size] x3, [size + 1]
-        qsl32 = qsl.to(torch.int32)
-        # A decode row's chunk starts at its position: keep the device copy of chunk starts exact.
-        states.num_computed_tokens[slots] = positions.to(torch.int32)
+        slots, positions, seq_lens, qsl = self._views(size)  # int64 [size] x2, int32 [size], [size + 1]
+        if p.model_state.lookback_depth:
+            # A decode row's chunk starts at its position: the lookback gather reads the device copy of
+            # chunk starts (its only reader; an eager step copies the host's in first).
+            states.num_computed_tokens[slots] = positions.to(torch.int32)
         input_ids = states.all_token_ids[slots, positions]  # int32 [size]
         # No replay starts: decode rows have no replay floor, and the graph captures no host copy.
         lookback, meta = p.model_state.build_metadata(
-            states, p.block_tables, slots, qsl32, seq_lens.to(torch.int32), positions, max_query_len=1
+            states, p.block_tables, slots, qsl, seq_lens, positions, max_query_len=1
         )
         hidden = p.model(input_ids, positions, lookback, meta, p.kv_caches)
         if controlled or logprobs:
@@ -149,11 +156,10 @@ class DecodeGraphs:
             logits = p.model.compute_head(hidden, out=self.head_out[:size])
         if controlled:  # this row's output so far: its history (positions + 1) less its prompt
             logits.copy_(p.controls.apply(logits, slots, p.controls.num_output(slots, positions + 1)))
-        sampled = self.sampled[:size]
-        sampled.copy_(greedy_checked(logits))  # FAILED_ROW where a row's logits are not finite
+        sampled = greedy_checked(logits, out=self.sampled[:size])  # FAILED_ROW: logits not finite
         # Padding rows append to the scratch slot's history, which no request reads. A failed row
         # appends 0, a valid id, for a step planned on top of this one to read.
-        states.all_token_ids[slots, positions + 1] = sampled.clamp(min=0).to(torch.int32)
+        append_token_ids(states.all_token_ids, slots, positions, sampled)
         if logprobs:
             self.lp_out[:size].copy_(compute_logprobs(logits, sampled))
 
@@ -223,9 +229,10 @@ class DecodeGraphs:
         h[b:size] = self.parts.states.scratch_slot
         h[m : m + b] = positions
         h[m + b : m + size] = 0
-        h[2 * m : 2 * m + b] = positions + 1
-        h[2 * m + b : 2 * m + size] = 0
-        qsl = h[3 * m : 3 * m + size + 1]
+        h32 = h[2 * m :].view(np.int32)  # seq_lens, query_start_loc: int32, as `_views` reads them
+        h32[:b] = positions + 1
+        h32[b:size] = 0
+        qsl = h32[m : m + size + 1]
         qsl[: b + 1] = np.arange(b + 1)
         qsl[b + 1 :] = b  # padding rows: no query tokens
         self.staged.copy_(host, non_blocking=True)

@@ -34,11 +34,12 @@ MIN_TEMPERATURE = 1e-5  # below: greedy
 NONFINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this request"
 
 
-def greedy_checked(logits: torch.Tensor) -> torch.Tensor:  # int64 [B]
+def greedy_checked(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # int64 [B]
     """The argmax of every row of logits [B, V] (any float dtype; ties to the lowest id), or FAILED_ROW
-    where the row's maximum is not finite (a NaN anywhere, a +inf, or an all -inf row). No host sync
-    (CUDA-graph safe): `raystate.kernels.greedy` on the GPU, one torch reduction elsewhere."""
-    return greedy.greedy_checked(logits, FAILED_ROW)
+    where the row's maximum is not finite (a NaN anywhere, a +inf, or an all -inf row), into `out` when
+    given. No host sync (CUDA-graph safe): `raystate.kernels.greedy` on the GPU, one torch reduction
+    elsewhere."""
+    return greedy.greedy_checked(logits, FAILED_ROW, out)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
