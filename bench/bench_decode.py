@@ -7,6 +7,10 @@ step time against its floor: (weight bytes + KV bytes the step must read) / copy
 
     python3 bench/bench_decode.py [--batch 64] [--context 2048] [--steps 32] [--plot decode.png]
     python3 bench/bench_decode.py --model /ckpt/qwen3-8b --context 4096 --configs "graphs + async"
+
+Several configurations run one after another in one process, and a later one can run slower than the
+same configuration alone (0.3 ms, 3.5%, of a Gemma-3-4B step on an H100: BENCHMARKS.md, "Where the rest
+of the step goes"): to compare two, run each in its own process (one --configs label each), alternating.
 """
 
 from __future__ import annotations
