@@ -66,15 +66,24 @@ class BlockTables:
             raise ValueError(f"block_ids: at most {self.max_blocks} blocks per request, got {n}")
 
     def commit(self) -> None:
-        """Copies the rows that changed since the last step to the device."""
+        """Copies the rows that changed since the last step to the device, queued without waiting.
+
+        Why pinned: a copy from pageable memory (`.to(device)`) returns only once everything queued on
+        the stream before it has run. Under async scheduling that is the whole step in flight, and rows
+        change in most decode steps (each request takes a new block every `block_size` tokens, at its
+        own position), so the next step's launch reached the GPU only after the last step had ended: the
+        GPU idled between the two for the rest of the launch (BENCHMARKS.md, "Where the rest of the step
+        goes"). From pinned memory the copies are queued like the kernels behind them."""
         if not self._dirty:
             return
         rows = sorted(self._dirty)
         self._dirty.clear()
-        idx = torch.tensor(rows, dtype=torch.long)
+        idx = torch.tensor(rows, dtype=torch.long)  # int64 [n]
         src = torch.from_numpy(self.host[:, rows])  # int32 [G, n, M]
         dev = self.device_tables.device
-        self.device_tables[:, idx.to(dev)] = src.to(dev)
+        if dev.type == "cuda":  # torch keeps a pinned block until the copies out of it have run
+            idx, src = idx.pin_memory(), src.pin_memory()
+        self.device_tables[:, idx.to(dev, non_blocking=True)] = src.to(dev, non_blocking=True)
 
     def slot_mappings(
         self,
