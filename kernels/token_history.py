@@ -1,7 +1,11 @@
-"""A decode step's sampled ids appended to the token history on the device.
+"""Sampled ids written into the token history on the device.
 
-For row b: all_token_ids[slots[b], positions[b] + 1] = max(ids[b], 0). A failed row's id (negative) is
-stored as 0, a valid id, so that a step planned on top of this one reads a token; the host never keeps it.
+For row b: all_token_ids[slots[b], positions[b] + offset] = max(ids[b], 0). A failed row's id (negative)
+is stored as 0, a valid id, so that a step planned on top of this one (async scheduling) reads a token;
+the host never keeps it. Every write of sampled ids into the history goes through here: the decode
+graph's greedy ids (offset 1: one past each row's input position, which is what its graph has staged;
+padding rows, at position 0, write index 1 of the scratch slot) and the ids the worker samples on the
+host side (offset 0, at the positions it computed).
 
 Why a kernel: the decode graph wrote this as torch's add, clamp, cast and indexed store, four launches
 of a few rows each at the end of every step; here it is one, launched as a programmatic dependent of the
@@ -18,23 +22,25 @@ from raystate.kernels._common import next_pow2, use_triton
 from raystate.kernels._pdl import launch_options, pdl_prologue, use_pdl
 
 
-def append_token_ids_ref(
+def write_token_ids_ref(
     all_token_ids: torch.Tensor,  # int32 [S, L], written in place
-    slots: torch.Tensor,  # int64 [B]: each row's state slot
-    positions: torch.Tensor,  # int64 [B]: each row's query position; the id goes one past it
+    slots: torch.Tensor,  # int [B]: each row's state slot
+    positions: torch.Tensor,  # int [B]: each row's id goes at positions + offset of its history
     ids: torch.Tensor,  # int [B]
+    offset: int = 0,
 ) -> None:
-    all_token_ids[slots, positions + 1] = ids.clamp(min=0).to(all_token_ids.dtype)
+    all_token_ids[slots.long(), positions.long() + offset] = ids.clamp(min=0).to(all_token_ids.dtype)
 
 
 @triton.jit
-def _append_token_ids_kernel(
+def _write_token_ids_kernel(
     token_ids_ptr,  # int32 [S, L], unit column stride
-    slots_ptr,  # int64 [B]
-    positions_ptr,  # int64 [B]
+    slots_ptr,  # int [B]
+    positions_ptr,  # int [B]
     ids_ptr,  # int [B]
     num_rows,
     row_stride,
+    OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -44,15 +50,19 @@ def _append_token_ids_kernel(
     slot = tl.load(slots_ptr + b, mask=valid, other=0).to(tl.int64)
     pos = tl.load(positions_ptr + b, mask=valid, other=0).to(tl.int64)
     token = tl.load(ids_ptr + b, mask=valid, other=0)
-    tl.store(token_ids_ptr + slot * row_stride + pos + 1, tl.maximum(token, 0).to(tl.int32), mask=valid)
+    tl.store(token_ids_ptr + slot * row_stride + pos + OFFSET, tl.maximum(token, 0).to(tl.int32), mask=valid)
 
 
-def append_token_ids(
-    all_token_ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor
+def write_token_ids(
+    all_token_ids: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    ids: torch.Tensor,
+    offset: int = 0,
 ) -> None:
     """One launch, no host sync (CUDA-graph safe); the reference off the GPU without the interpreter."""
     if not use_triton(all_token_ids):
-        append_token_ids_ref(all_token_ids, slots, positions, ids)
+        write_token_ids_ref(all_token_ids, slots, positions, ids, offset)
         return
     assert all_token_ids.dtype == torch.int32 and all_token_ids.stride(1) == 1, "history: int32 rows"
     num_rows = slots.shape[0]
@@ -60,13 +70,14 @@ def append_token_ids(
         return
     block = min(1024, next_pow2(num_rows))
     pdl = use_pdl(all_token_ids)
-    _append_token_ids_kernel[(triton.cdiv(num_rows, block),)](
+    _write_token_ids_kernel[(triton.cdiv(num_rows, block),)](
         all_token_ids,
         slots,
         positions,
         ids,
         num_rows,
         all_token_ids.stride(0),
+        OFFSET=offset,
         BLOCK=block,
         USE_PDL=pdl,
         **launch_options(pdl),

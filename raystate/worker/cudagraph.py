@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raystate.kernels.token_history import append_token_ids
+from raystate.kernels.token_history import write_token_ids
 from raystate.worker.block_table import BlockTables
 from raystate.worker.logprobs import WIDTH, compute_logprobs
 from raystate.worker.model_state import HybridModelState
@@ -94,7 +94,7 @@ class DecodeGraphs:
         # dtype, read through an int32 view: no cast launches in the step). One buffer, so one copy, in
         # pinned memory on CUDA so that it is asynchronous.
         pin = dev.type == "cuda"
-        n = 2 * max_b + (2 * max_b + 2) // 2
+        n = 3 * max_b + 1  # 2 Bmax int64, then 2 Bmax + 1 int32 in the Bmax + 1 int64 after them
         self.staged = torch.zeros(n, dtype=torch.int64, device=dev)  # int64 [3 Bmax + 1]
         vocab_size = parts.model.config.vocab_size
         self.logits = torch.zeros((max_b, vocab_size), dtype=torch.float32, device=dev)  # fp32 [Bmax, V]
@@ -157,9 +157,10 @@ class DecodeGraphs:
         if controlled:  # this row's output so far: its history (positions + 1) less its prompt
             logits.copy_(p.controls.apply(logits, slots, p.controls.num_output(slots, positions + 1)))
         sampled = greedy_checked(logits, out=self.sampled[:size])  # FAILED_ROW: logits not finite
-        # Padding rows append to the scratch slot's history, which no request reads. A failed row
-        # appends 0, a valid id, for a step planned on top of this one to read.
-        append_token_ids(states.all_token_ids, slots, positions, sampled)
+        # Each id goes one past its row's input position. Padding rows write to the scratch slot's
+        # history, which no request reads; a failed row writes 0, a valid id, for a step planned on top
+        # of this one to read.
+        write_token_ids(states.all_token_ids, slots, positions, sampled, offset=1)
         if logprobs:
             self.lp_out[:size].copy_(compute_logprobs(logits, sampled))
 

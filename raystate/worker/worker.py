@@ -19,6 +19,7 @@ import torch
 
 from raystate.config import EngineConfig
 from raystate.errors import InvalidRequest
+from raystate.kernels.token_history import write_token_ids
 from raystate.messages import FAILED_ROW, NewRequest, StepMessage, StepResult, bytes_to_ids, ids_to_bytes
 from raystate.model import load_model
 from raystate.worker.block_table import BlockTables
@@ -546,8 +547,11 @@ class Worker:
         A failed row's FAILED_ROW is stored as 0: a step planned on top of this one (async scheduling)
         may still read it as an input id before the scheduler ends that request."""
         dev = self.device
-        self.states.all_token_ids[torch.from_numpy(slots).to(dev), torch.from_numpy(positions).to(dev)] = (
-            ids.clamp(min=0).to(torch.int32)
+        write_token_ids(
+            self.states.all_token_ids,
+            torch.from_numpy(slots).to(dev),
+            torch.from_numpy(positions).to(dev),
+            ids,
         )
 
     def _record_logits(self, batch: InputBatch, hidden: torch.Tensor) -> None:
