@@ -55,6 +55,9 @@ class LaunchOptions:
     # "compiled" (Ray Compiled Graph: fastest; each worker spins a CPU core polling its channel) or
     # "actor" (plain actor calls: ~1 ms per step more, nothing spins).
     dispatch: str = "compiled"
+    # With "compiled" and async scheduling: each worker launches the next step before it answers the last
+    # one (`PipelinedCompiledDispatch`), so its device does not idle while answers and messages travel.
+    pipeline_steps: bool = True
     num_gpus_per_shard: float | None = None  # None: 1 when config.device is CUDA, else 0
     num_cpus_per_shard: float = 1.0
     scheduler_num_cpus: float = 0.0
@@ -234,6 +237,7 @@ def start(config: EngineConfig, options: LaunchOptions) -> Deployment:
             workers,
             name=options.name,
             dispatch=options.dispatch,
+            pipeline_steps=options.pipeline_steps,
             step_timeout_s=options.step_timeout_s,
             probe_interval_s=options.probe_interval_s,
             respawn_timeout_s=options.respawn_timeout_s,

@@ -8,7 +8,9 @@ loop (`StepDriver`, driver.py), never holding the lock while it waits on the wor
     schedule -> dispatch -> [stream the previous step's updates, record metrics] -> collect -> update
 
 so streaming, metrics and all client traffic overlap the step in flight, and with async scheduling (the
-config's default) and a compiled graph the next decode step is planned and sent while one runs.
+config's default) and a compiled graph the next decode step is planned and sent while one runs; each
+worker launches it before answering the one in flight (`pipeline_steps`: the graph runs each shard's
+`execute_behind`, `PipelinedCompiledDispatch`), so its device does not idle while answers travel.
 Dispatch is a compiled Ray graph over every shard's `execute` (shards step in lockstep) or plain actor
 calls (`dispatch="actor"`: each shard steps as soon as it answered); if the graph cannot be compiled the
 actor falls back to actor calls and says so in `status()`. The price of the graph's latency: in Ray 2.60
@@ -69,6 +71,7 @@ class SchedulerActor:
         workers: list,
         name: str = "raystate",
         dispatch: str = "compiled",
+        pipeline_steps: bool = True,
         step_timeout_s: float = 120.0,
         probe_interval_s: float = 2.0,
         respawn_timeout_s: float = 60.0,
@@ -86,7 +89,13 @@ class SchedulerActor:
         self._sched = Scheduler(config, len(workers))
         self._lock = threading.Lock()  # guards _sched between the event loop and the step thread
         self._shards = ShardSupervisor(
-            workers, self._sched, self._lock, dispatch, respawn_timeout_s, spawn_worker
+            workers,
+            self._sched,
+            self._lock,
+            dispatch,
+            respawn_timeout_s,
+            spawn_worker,
+            pipelined=pipeline_steps and config.async_scheduling,
         )
         self._outbox = Outbox(client_timeout_s)
         self._hooks = StepThreadHooks()
@@ -231,6 +240,8 @@ class SchedulerActor:
             "backend": "ray",
             "deployment": self.name,
             "dispatch": self.dispatch_mode,
+            "pipelined": self._shards.pipelined,
+            "flushes": getattr(self._shards.dispatch, "flushes", 0),
             "num_shards": self._sched.num_shards,
             "live_shards": live,
             "step_time_p50_us": steps[len(steps) // 2] * 1e6 if steps else 0.0,

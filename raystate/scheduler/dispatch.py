@@ -93,6 +93,98 @@ class LockstepDispatch:
         self._handles.clear()
 
 
+@dataclasses.dataclass(slots=True)
+class _Execution:
+    sent: dict[int, float]  # tracked shard -> submit time
+    flush: bool = False  # sent by `collect` only to get the held answers back (never reported)
+
+
+class PipelinedDispatch:
+    """Lockstep executions whose answers may come one message late: every tracked execution lets the
+    workers hold its answer (`WorkerActor.execute_behind`: a step whose device work is still running is
+    held), so a worker launches step N+1 before it finishes step N and answers N with N+1's reply; the
+    device stays busy while the answer travels, the scheduler plans, and the next message comes. For the
+    step loop with async scheduling, which sends N+1 before it collects N. When `collect` finds the
+    oldest step's answer held with nothing sent after it, it sends a flush (an empty step, not held) to
+    get it. Untracked executions (probes, benchmarks) are never held. Each shard answers its executions
+    in order; a failed execution loses every one in flight.
+
+    Subclasses send (`_send(payloads, hold) -> handle`) and read a handle (`_read(handle, timeout_s) ->
+    ({shard: [encoded StepResult, ...]}, errors)`: per shard, the results that message finished, oldest
+    first: 0, 1 or 2).
+    """
+
+    lockstep = True
+
+    def __init__(self) -> None:
+        self._executions: deque[_Execution] = deque()  # sent, not collected; oldest first
+        self._unread: deque = deque()  # handles not read yet, oldest first
+        self._arrived: dict[int, deque[bytes]] = {}  # shard -> answers read, not collected, oldest first
+        self.flushes = 0  # flushes sent: a held step collected with no step launched after it
+
+    def _send(self, payloads: dict[int, bytes], hold: bool):
+        raise NotImplementedError
+
+    def _read(
+        self, handle, timeout_s: float | None
+    ) -> tuple[dict[int, list[bytes]], dict[int, BaseException]]:
+        raise NotImplementedError
+
+    def submit(self, payloads: dict[int, bytes], track: bool = True) -> None:
+        self._submit(payloads, track, flush=False)
+
+    def _submit(self, payloads: dict[int, bytes], track: bool, flush: bool) -> None:
+        sent = dict.fromkeys(payloads, time.perf_counter()) if track else {}
+        self._unread.append(self._send(payloads, track))
+        self._executions.append(_Execution(sent, flush))
+
+    def num_in_flight(self) -> int:
+        return sum(not e.flush for e in self._executions)
+
+    def collect(self, timeout_s: float | None = None) -> Answers:
+        """The oldest execution's answers (after a flush when one is held with nothing sent after it)."""
+        while True:
+            while self._executions[0].flush and self._oldest_answered():
+                self._pop_oldest()
+            if self._oldest_answered():
+                sent = self._executions[0].sent
+                outs = self._pop_oldest()
+                return Answers({s: outs[s] for s in sent}, sent, {}, set())
+            if not self._unread:  # every reply was read and the oldest answer is still held
+                self.flushes += 1
+                try:
+                    self._submit({}, track=False, flush=True)
+                except DispatchRefused as e:
+                    return self._lose_all({s: e.cause for s in self._executions[0].sent})
+            outs, errors = self._read(self._unread.popleft(), timeout_s)
+            if errors:
+                return self._lose_all(errors)
+            for s, results in outs.items():
+                self._arrived.setdefault(s, deque()).extend(results)
+
+    def _oldest_answered(self) -> bool:
+        return bool(self._arrived) and all(self._arrived.values())
+
+    def _pop_oldest(self) -> dict[int, bytes]:
+        self._executions.popleft()
+        return {s: answers.popleft() for s, answers in self._arrived.items()}
+
+    def _lose_all(self, errors: dict[int, BaseException]) -> Answers:
+        sent = self._executions[0].sent if self._executions else {}
+        return Answers({}, sent, errors, self.abandon())
+
+    def abandon(self) -> set[int]:
+        """After a refused submission: forgets every execution in flight; returns their tracked shards."""
+        lost = set().union(*(e.sent for e in self._executions))
+        self._executions.clear()
+        self._unread.clear()
+        self._arrived.clear()
+        return lost
+
+    def close(self) -> None:
+        self.abandon()
+
+
 class LocalDispatch(LockstepDispatch):
     """In-process workers: each message is decoded as a worker actor would decode it and launched at once;
     `collect` finishes the oldest launch and encodes its answer. Errors propagate as they are.

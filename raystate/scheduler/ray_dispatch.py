@@ -2,19 +2,28 @@
 
 `CompiledDispatch`, one Ray compiled graph over every shard's `execute` (all shards step in lockstep,
 ~0.1-0.2 ms a round trip), and `ActorDispatch`, plain actor calls (each shard steps as soon as it
-answered; ~1 ms a round trip). Both keep the dispatch.py contract, so the step loop drives either the
-same way. Errors come back per shard, so the scheduler actor can recover just those.
+answered; ~1 ms a round trip). `PipelinedCompiledDispatch` is the compiled graph whose workers may answer
+a step with the next message's reply (async scheduling; dispatch.PipelinedDispatch). All keep the
+dispatch.py contract, so the step loop drives each the same way. Errors come back per shard, so the
+scheduler actor can recover just those.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 
 import ray
 from ray.exceptions import GetTimeoutError
 
-from raystate.scheduler.dispatch import IDLE_STEP, Answers, DispatchRefused, LockstepDispatch
+from raystate.scheduler.dispatch import (
+    IDLE_STEP,
+    Answers,
+    DispatchRefused,
+    LockstepDispatch,
+    PipelinedDispatch,
+)
 
 
 class CompiledDispatch(LockstepDispatch):
@@ -46,6 +55,44 @@ class CompiledDispatch(LockstepDispatch):
     def close(self) -> None:
         super().close()
         with contextlib.suppress(Exception):  # an actor of the graph may be gone already
+            self.dag.teardown()
+
+
+class PipelinedCompiledDispatch(PipelinedDispatch):
+    """One compiled graph over every live shard's `execute_behind`: the graph's input is every shard's
+    message, whether to hold its answer, and this graph's id (a worker drops a step held for an older
+    graph: its shard was reset, or the step was an idle one); each shard's output, the results that
+    message finished."""
+
+    def __init__(self, workers: dict[int, object]) -> None:
+        from ray.dag import InputNode, MultiOutputNode
+
+        super().__init__()
+        self.shards = sorted(workers)
+        self.graph_id = uuid.uuid4().hex
+        n = len(self.shards)
+        with InputNode() as inp:
+            outs = [
+                workers[s].execute_behind.bind(inp[i], inp[n], inp[n + 1]) for i, s in enumerate(self.shards)
+            ]
+            self.dag = MultiOutputNode(outs).experimental_compile()
+
+    def _send(self, payloads: dict[int, bytes], hold: bool):
+        try:
+            return self.dag.execute(*[payloads.get(s, IDLE_STEP) for s in self.shards], hold, self.graph_id)
+        except Exception as e:  # the graph refused the input
+            raise DispatchRefused(e) from e
+
+    def _read(self, ref, timeout_s: float | None) -> tuple[dict[int, list[bytes]], dict[int, BaseException]]:
+        try:
+            outs = ray.get(ref, timeout=timeout_s)
+        except Exception as e:  # a dead actor, a channel error or a timeout: every shard's answer is lost
+            return {}, {s: e for s in self.shards}
+        return dict(zip(self.shards, outs, strict=True)), {}
+
+    def close(self) -> None:
+        super().close()
+        with contextlib.suppress(Exception):
             self.dag.teardown()
 
 

@@ -25,7 +25,7 @@ import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
 from raystate.errors import EngineDead
-from raystate.scheduler.ray_dispatch import ActorDispatch, CompiledDispatch
+from raystate.scheduler.ray_dispatch import ActorDispatch, CompiledDispatch, PipelinedCompiledDispatch
 from raystate.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -45,10 +45,12 @@ class ShardSupervisor:
         dispatch_mode: str,
         respawn_timeout_s: float,
         spawn_worker: Callable[[int], object] | None = None,
+        pipelined: bool = False,
     ) -> None:
         self.workers: dict[int, object] = dict(enumerate(workers))
         self.dispatch_mode = dispatch_mode  # "compiled", "actor", or why the graph fell back to actor calls
-        self.dispatch: CompiledDispatch | ActorDispatch | None = None
+        self.dispatch: CompiledDispatch | PipelinedCompiledDispatch | ActorDispatch | None = None
+        self._pipelined = pipelined  # a compiled graph whose workers answer one step late
         self.respawn_timeout_s = respawn_timeout_s
         self.counts = collections.Counter(dict.fromkeys(COUNTS, 0))
         self._sched = sched
@@ -70,11 +72,17 @@ class ShardSupervisor:
     def _build_dispatch(self) -> None:
         if self.dispatch_mode == "compiled":
             try:
-                self.dispatch = CompiledDispatch(self.workers)
+                graph = PipelinedCompiledDispatch if self._pipelined else CompiledDispatch
+                self.dispatch = graph(self.workers)
                 return
             except Exception as e:  # e.g. channels unsupported here: plain actor calls still work
                 self.dispatch_mode = f"actor (compiled graph failed: {e!r})"
         self.dispatch = ActorDispatch(self.workers)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the workers answer one step late (a compiled graph, with async scheduling)."""
+        return isinstance(self.dispatch, PipelinedCompiledDispatch)
 
     def answered(self, shards) -> None:
         """These shards answered a step: their run of failures is over."""

@@ -1,8 +1,10 @@
 """WorkerActor: one model-state shard behind a Ray actor (one per GPU, or per CPU device in tests).
 
 The scheduler actor sends each step as msgspec bytes, encoded once on its side; the actor decodes them with
-`decode_step`, runs `Worker.execute` and answers with the encoded `StepResult`. The same `execute` method
-serves both dispatch paths: a node of the scheduler's compiled graph, or a plain actor call.
+`decode_step`, runs `Worker.execute` and answers with the encoded `StepResult`: a plain actor call, or a
+node of the scheduler's compiled graph. With async scheduling the graph runs `execute_behind` instead,
+which may answer a step with the next message's reply, so the device runs that step while its answer
+travels and the next message comes.
 
 The class is a plain class (`launch.py` applies `ray.remote` with the placement and restart options), and
 torch is imported only when a real worker is built, so importing this module stays light. The device comes
@@ -26,7 +28,7 @@ import sys
 import uuid
 
 from raystate.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
-from raystate.messages import StepResult, decode_step, encode, ids_to_bytes
+from raystate.messages import StepMessage, StepResult, decode_step, encode, ids_to_bytes
 
 _STDERR_HANDLER = "raystate-stderr"  # the name of the handler `show_info_on_stderr` adds
 
@@ -71,6 +73,11 @@ def _assigned_gpus() -> float:
         return 1.0
 
 
+def _done_at_launch(pending) -> bool:
+    """Whether a launched step's answer is there without waiting (a dry run's or a host-side step's)."""
+    return isinstance(pending, StepResult) or getattr(pending, "result", None) is not None
+
+
 class WorkerActor:
     def __init__(self, config: EngineConfig, shard: int, dry_run: bool = False) -> None:
         show_info_on_stderr()
@@ -79,6 +86,8 @@ class WorkerActor:
         self.dry_run = dry_run
         self._incarnation = uuid.uuid4().hex
         self.worker = None
+        self._held = None  # the step `execute_behind` launched and has not answered yet
+        self._held_for = ""  # the dispatcher it was held for
         if not dry_run:
             from raystate.worker.worker import Worker
 
@@ -88,12 +97,42 @@ class WorkerActor:
 
     def execute(self, data: bytes) -> bytes:
         """One step: StepMessage bytes in, StepResult bytes out."""
-        msg = decode_step(data)
+        return encode(self._finish(self._launch(decode_step(data))))
+
+    def execute_behind(self, data: bytes, hold: bool, sender: str = "") -> list[bytes]:
+        """One step, answered one message late when `hold` allows and its device work is still running
+        after launch (a graph decode step): the step is launched, then the step held back by the last
+        message (if any) is finished, and this one is held in turn, so its device work runs while its
+        answer travels back and the scheduler plans and sends the next message. A step done at launch (on
+        the host, or sampled there) is answered at once: holding it would only delay the answer. Returns
+        the encoded StepResults finished now, oldest first (0, 1 or 2).
+
+        Why: `execute` waits for the step's device work before it returns, and the next message is read
+        only after that, so the GPU idles for the answer's encoding, the channel hop and the next launch.
+        The scheduler's dispatcher (`dispatch.PipelinedDispatch`) knows which answer is whose. `sender`
+        names it: a step held for another sender is dropped unanswered (a dispatcher rebuilt after a fault
+        has every shard that had a real step in flight reset; this one's held step was an idle one)."""
+        pending = self._launch(decode_step(data))
+        done = []
+        if self._held is not None:
+            held, self._held = self._held, None
+            if self._held_for == sender:
+                done.append(encode(self._finish(held)))
+        if hold and not _done_at_launch(pending):
+            self._held, self._held_for = pending, sender
+        else:
+            done.append(encode(self._finish(pending)))
+        return done
+
+    def _launch(self, msg: StepMessage):
         if self.worker is None:  # dry run: answer every row without running the model
             rows = [r.req_id for r in msg.new_requests if r.num_scheduled > 0]
             rows += [r.req_id for r in msg.running]
-            return encode(StepResult(msg.step_id, rows, ids_to_bytes([0] * len(rows))))
-        return encode(self.worker.execute(msg))
+            return StepResult(msg.step_id, rows, ids_to_bytes([0] * len(rows)))
+        return self.worker.launch(msg)
+
+    def _finish(self, pending) -> StepResult:
+        return pending if self.worker is None else self.worker.finish(pending)
 
     def kv_blocks(self) -> tuple[int, ...]:
         """This worker's KV cache blocks per group (on CUDA with no size set, what it measured at start;
@@ -108,6 +147,7 @@ class WorkerActor:
 
     def reset(self) -> int:
         """Drops every request (their device state is stale after a lost step); returns how many."""
+        self._held = None
         if self.worker is None:
             return 0
         return self.worker.reset()

@@ -29,10 +29,11 @@ from raystate.messages import (
     ids_to_bytes,
 )
 from raystate.scheduler import RequestUpdate, Scheduler
-from raystate.scheduler.dispatch import LocalDispatch
+from raystate.scheduler.dispatch import IDLE_STEP, LocalDispatch, PipelinedDispatch
 from raystate.scheduler.driver import Step, StepDriver
 from raystate.scheduler.kv_manager import KVManager
 from raystate.scheduler.request import Request
+from raystate.worker.actor import WorkerActor
 
 
 def make_config(
@@ -127,6 +128,7 @@ class _FakeState:
 class FakeWorker:
     def __init__(self, config: EngineConfig, scripts: dict[str, list[int]] | None = None) -> None:
         groups = config.kv_groups
+        self.config = config
         self.block_size = config.cache.block_size
         self.windows = [g.sliding_window for g in groups]
         self.cacheable = [g.prefix_cacheable for g in groups]
@@ -220,9 +222,64 @@ class RunLog:
     updates: list[RequestUpdate]
 
 
-def driver(sched: Scheduler, workers: list[FakeWorker], lookahead: bool = False) -> StepDriver:
-    """The real step loop over the fake workers (every message and result goes through msgspec)."""
-    return StepDriver(sched, LocalDispatch(dict(enumerate(workers))), lookahead=lookahead)
+@dataclass
+class _Launched:
+    """A fake step launched whose answer is read only when it is finished, as a GPU decode step's is (so
+    a worker actor may hold it)."""
+
+    answer: StepResult
+    result: None = None  # `PendingStep.result`: None while the device work may still run
+
+
+class _DeviceLikeWorker:
+    """A FakeWorker whose answers wait for `finish`. Its steps still run at launch: a device runs them
+    in launch order, before any step launched later (which is what the free-block poisoning stands
+    for), whenever their answers are read."""
+
+    def __init__(self, fake: FakeWorker) -> None:
+        self.fake = fake
+
+    def launch(self, msg: StepMessage) -> _Launched:
+        return _Launched(self.fake.execute(msg))
+
+    def finish(self, launched: _Launched) -> StepResult:
+        return launched.answer
+
+
+class BehindDispatch(PipelinedDispatch):
+    """`PipelinedDispatch` over worker actors built in this process (`WorkerActor.execute_behind` around a
+    fake worker whose steps run when finished): what the compiled graph does, without Ray. Answers are
+    read when the messages are sent, which changes nothing the dispatcher relies on (it reads handles in
+    the order it sent them)."""
+
+    def __init__(self, workers: list[FakeWorker], sender: str = "graph-1") -> None:
+        super().__init__()
+        self.actors = {}
+        for s, w in enumerate(workers):
+            actor = WorkerActor(w.config, s, dry_run=True)
+            actor.worker = _DeviceLikeWorker(w)
+            self.actors[s] = actor
+        self.sender = sender
+        self.held_counts: list[int] = []  # per message, how many steps each shard answered
+
+    def _send(self, payloads: dict[int, bytes], hold: bool):
+        outs = {
+            s: a.execute_behind(payloads.get(s, IDLE_STEP), hold, self.sender) for s, a in self.actors.items()
+        }
+        self.held_counts.append(len(outs[0]))
+        return outs
+
+    def _read(self, handle, timeout_s: float | None):
+        return handle, {}
+
+
+def driver(
+    sched: Scheduler, workers: list[FakeWorker], lookahead: bool = False, answer_behind: bool = False
+) -> StepDriver:
+    """The real step loop over the fake workers (every message and result goes through msgspec); with
+    `answer_behind`, through worker actors that answer one step late (`PipelinedDispatch`)."""
+    dispatch = BehindDispatch(workers) if answer_behind else LocalDispatch(dict(enumerate(workers)))
+    return StepDriver(sched, dispatch, lookahead=lookahead)
 
 
 def record(done: Step, sched: Scheduler, workers: list[FakeWorker], log: RunLog | None) -> None:
