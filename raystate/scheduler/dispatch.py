@@ -3,12 +3,14 @@
 A dispatcher sends each shard its encoded StepMessage (`submit`) and brings the encoded StepResults back
 (`collect`), oldest first. It also keeps the books of what is in flight: which shards got a real message
 (`track`), when, and which of those steps a fault lost, so the step loop (driver.py) need not know how
-a transport answers. Two kinds:
+a transport answers. Three kinds:
 
 - lockstep (`LockstepDispatch`): every submission is one execution over all of its shards, answered
   whole and in submission order; a failed execution loses every execution still in flight. The Ray
   compiled graph (ray_dispatch.py) and `LocalDispatch`, the in-process one, are of this kind.
 - per shard (the Ray `ActorDispatch`): each shard answers on its own; a fault loses that shard's step only.
+- lockstep, answered one message late (`PipelinedDispatch`; over Ray, `PipelinedCompiledDispatch`): a
+  worker may hold a step whose device work still runs and answer it with the next message's reply.
 
 Probes and benchmarks send untracked payloads (`round_trip`): their answers never reach the scheduler.
 No ray here: the in-process engine and the scheduler tests use `LocalDispatch` without it.
