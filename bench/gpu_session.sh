@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call for a session short of device time (2026-12-07): the GPU tests of the decode path and
+# the pipelined Ray dispatch, Gemma-3-4B's decode step (b64/4k) for the working tree and the tree in
+# .before/ (bench/ab_before_after.sh --export REV), then the decode step in-process against Ray.
+# Carry [".whl", ".before"]. Every part is cut to the time left of LIMIT seconds (default 570).
+. bench/gpu_setup.sh || exit 1
+OUT=${OUT:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
+LIMIT=${LIMIT:-570}
+left() { echo $((LIMIT - SECONDS)); }
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
+timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider -p no:benchmark -n 8 --timeout 100 \
+  tests/worker/test_block_tables.py tests/kernels/test_token_history.py tests/worker/test_decode_graph_path.py \
+  tests/worker/test_cudagraph_gpu.py tests/scheduler/test_pipelined_dispatch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+echo "($SECONDS s)"
+timeout $(left) python3 bench/bench_hf_models.py --shape gemma3-4b --root /tmp/hf_ckpt --skip-exactness 2>&1 \
+  | grep -v "Loading weights" | tail -2
+echo "(checkpoint: $SECONDS s)"
+gemma() {  # gemma LABEL [before]: one bench_decode process
+  local dir=. env=""
+  if [ "$2" = before ]; then ln -sfn ../kernels .before/raystate/kernels; dir=.before; env="PYTHONPATH=$PWD/.before"; fi
+  (cd $dir && timeout $(left) env $env python3 bench/bench_decode.py --model /tmp/hf_ckpt/gemma3-4b --batch 64 \
+    --context 4096 --steps 32 --configs "graphs + async" 2>&1 | tee "$OUT/gemma_$1.log" \
+    | grep -E "^decode|floor|GPU per step|host")
+  echo "($1: $SECONDS s)"
+}
+gemma after_1
+gemma before_1 before
+timeout $(left) python3 bench/bench_backends.py --batches 1 8 64 --rounds 1 --json "$OUT/backends.json" 2>&1 \
+  | tee "$OUT/backends.log" | grep -vE "^\(|^\[" | tail -10
+echo "(backends: $SECONDS s)"
+[ "$(left)" -gt 90 ] && gemma after_2
+[ "$(left)" -gt 90 ] && gemma before_2 before
+exit 0
