@@ -24,10 +24,9 @@ gemma() {  # gemma LABEL [before]: one bench_decode process
   echo "($1: $SECONDS s)"
 }
 gemma after_1
-gemma before_1 before
 timeout $(left) python3 bench/bench_backends.py --batches 1 8 64 --rounds 1 --json "$OUT/backends.json" 2>&1 \
   | tee "$OUT/backends.log" | grep -vE "^\(|^\[" | tail -10
 echo "(backends: $SECONDS s)"
-[ "$(left)" -gt 90 ] && gemma after_2
-[ "$(left)" -gt 90 ] && gemma before_2 before
+[ "$(left)" -gt 60 ] && gemma before_1 before
+[ "$(left)" -gt 60 ] && gemma after_2
 exit 0
