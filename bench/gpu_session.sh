@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a session short of device time (2026-12-07): the GPU tests of the decode path and
-# the pipelined Ray dispatch, Gemma-3-4B's decode step (b64/4k) for the working tree and the tree in
-# .before/ (bench/ab_before_after.sh --export REV), then the decode step in-process against Ray.
+# the pipelined Ray dispatch, the decode step in-process against Ray (bench_backends.py), then Gemma-3-4B's
+# decode step (b64/4k) for the working tree and the tree in .before/ (bench/ab_before_after.sh --export REV).
 # Carry [".whl", ".before"]. Every part is cut to the time left of LIMIT seconds (default 570).
 . bench/gpu_setup.sh || exit 1
 OUT=${OUT:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
@@ -12,9 +12,6 @@ timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider -p no:benchmark -n 8 -
   tests/worker/test_block_tables.py tests/kernels/test_token_history.py tests/worker/test_decode_graph_path.py \
   tests/worker/test_cudagraph_gpu.py tests/scheduler/test_pipelined_dispatch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
 echo "($SECONDS s)"
-timeout $(left) python3 bench/bench_hf_models.py --shape gemma3-4b --root /tmp/hf_ckpt --skip-exactness 2>&1 \
-  | grep -v "Loading weights" | tail -2
-echo "(checkpoint: $SECONDS s)"
 gemma() {  # gemma LABEL [before]: one bench_decode process
   local dir=. env=""
   if [ "$2" = before ]; then ln -sfn ../kernels .before/raystate/kernels; dir=.before; env="PYTHONPATH=$PWD/.before"; fi
@@ -23,10 +20,12 @@ gemma() {  # gemma LABEL [before]: one bench_decode process
     | grep -E "^decode|floor|GPU per step|host")
   echo "($1: $SECONDS s)"
 }
-gemma after_1
 timeout $(left) python3 bench/bench_backends.py --batches 1 8 64 --rounds 1 --json "$OUT/backends.json" 2>&1 \
   | tee "$OUT/backends.log" | grep -vE "^\(|^\[" | tail -10
 echo "(backends: $SECONDS s)"
+timeout $(left) python3 bench/bench_hf_models.py --shape gemma3-4b --root /tmp/hf_ckpt --skip-exactness 2>&1 \
+  | grep -v "Loading weights" | tail -2
+echo "(checkpoint: $SECONDS s)"
+[ "$(left)" -gt 60 ] && gemma after_1
 [ "$(left)" -gt 60 ] && gemma before_1 before
-[ "$(left)" -gt 60 ] && gemma after_2
 exit 0
