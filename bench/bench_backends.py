@@ -1,15 +1,15 @@
 """Decode time per step through `LLM.generate`, in-process engine against the Ray deployment, side by side.
 
     python bench/bench_backends.py [--model bench] [--batches 1 8 64] [--tokens 257] [--rounds 2]
-        [--backends inprocess ray ray-unpipelined]
+        [--backends inprocess ray ray-pipelined]
     python bench/bench_backends.py --device cpu --model tiny --batches 1 4 --tokens 17   # a smoke run
 
 Why: the in-process engine overlaps a step's host work with the GPU (async scheduling launches step N+1
 before it finishes N). Under the Ray backend a worker actor that runs each message to its end (launch,
-wait, answer) before it reads the next ("ray-unpipelined") leaves the GPU idle between steps for the
-answer's encoding, the channel hop and the next message's decode and launch; "ray", the default, has
-each worker answer a step with the next message (`PipelinedCompiledDispatch`). This measures both
-against the in-process engine, per batch size.
+wait, answer) before it reads the next ("ray", the default) leaves the GPU idle between steps for the
+answer's encoding, the channel hop and the next message's decode and launch; "ray-pipelined"
+(`pipeline_steps=True`) has each worker answer a step with the next message (`PipelinedCompiledDispatch`).
+This measures both against the in-process engine, per batch size.
 
 Each (backend, round) runs in its own process (a fresh engine or deployment), the list alternating
 backends round after round. Per batch: B prompts of `--prompt` random byte tokens, greedy, `ignore_eos`;
@@ -34,7 +34,7 @@ def measure(args) -> dict:
 
     max_b = max(args.batches)
     backend, _, variant = args.backend.partition("-")
-    ray_options = {"pipeline_steps": variant != "unpipelined"} if backend == "ray" else None
+    ray_options = {"pipeline_steps": variant == "pipelined"} if backend == "ray" else None
     llm = LLM(
         model=args.model,
         backend=backend,
@@ -79,8 +79,8 @@ def main() -> None:
     ap.add_argument(
         "--backends",
         nargs="+",
-        default=["inprocess", "ray", "ray-unpipelined"],
-        help="inprocess, ray (workers answer one step late), ray-unpipelined (each step answered whole)",
+        default=["inprocess", "ray", "ray-pipelined"],
+        help="inprocess, ray (each step answered whole), ray-pipelined (a step may be answered one late)",
     )
     ap.add_argument("--json", default="")
     ap.add_argument("--backend", default="", help=argparse.SUPPRESS)  # the child process's one backend

@@ -56,8 +56,9 @@ class LaunchOptions:
     # "actor" (plain actor calls: ~1 ms per step more, nothing spins).
     dispatch: str = "compiled"
     # With "compiled" and async scheduling: each worker launches the next step before it answers the last
-    # one (`PipelinedCompiledDispatch`), so its device does not idle while answers and messages travel.
-    pipeline_steps: bool = True
+    # one (`PipelinedCompiledDispatch`), so its device need not idle while answers and messages travel.
+    # Off by default until measured on a GPU (bench/bench_backends.py).
+    pipeline_steps: bool = False
     num_gpus_per_shard: float | None = None  # None: 1 when config.device is CUDA, else 0
     num_cpus_per_shard: float = 1.0
     scheduler_num_cpus: float = 0.0

@@ -8,9 +8,9 @@ loop (`StepDriver`, driver.py), never holding the lock while it waits on the wor
     schedule -> dispatch -> [stream the previous step's updates, record metrics] -> collect -> update
 
 so streaming, metrics and all client traffic overlap the step in flight, and with async scheduling (the
-config's default) and a compiled graph the next decode step is planned and sent while one runs; each
-worker launches it before answering the one in flight (`pipeline_steps`: the graph runs each shard's
-`execute_behind`, `PipelinedCompiledDispatch`), so its device does not idle while answers travel.
+config's default) and a compiled graph the next decode step is planned and sent while one runs; with
+`pipeline_steps` each worker also launches it before answering the one in flight (the graph runs each
+shard's `execute_behind`, `PipelinedCompiledDispatch`), so its device need not idle while answers travel.
 Dispatch is a compiled Ray graph over every shard's `execute` (shards step in lockstep) or plain actor
 calls (`dispatch="actor"`: each shard steps as soon as it answered); if the graph cannot be compiled the
 actor falls back to actor calls and says so in `status()`. The price of the graph's latency: in Ray 2.60
@@ -71,7 +71,7 @@ class SchedulerActor:
         workers: list,
         name: str = "raystate",
         dispatch: str = "compiled",
-        pipeline_steps: bool = True,
+        pipeline_steps: bool = False,
         step_timeout_s: float = 120.0,
         probe_interval_s: float = 2.0,
         respawn_timeout_s: float = 60.0,

@@ -17,18 +17,30 @@ MAX_TOKENS = 8
 
 
 @pytest.mark.parametrize(
-    ("num_shards", "dispatch", "replay"),
-    [(1, "compiled", True), (2, "compiled", False), (2, "actor", False)],
-    ids=["1-shard-compiled-replay", "2-shards-compiled", "2-shards-actor-calls"],
+    ("num_shards", "dispatch", "replay", "pipelined"),
+    [
+        (1, "compiled", True, False),
+        (2, "compiled", False, False),
+        (2, "compiled", False, True),
+        (2, "actor", False, False),
+    ],
+    ids=[
+        "1-shard-compiled-replay",
+        "2-shards-compiled",
+        "2-shards-compiled-pipelined",
+        "2-shards-actor-calls",
+    ],
 )
-def test_ray_backend_equals_inprocess(local_ray, num_shards, dispatch, replay):
+def test_ray_backend_equals_inprocess(local_ray, num_shards, dispatch, replay, pipelined):
+    """`pipelined`: the graph runs each worker's `execute_behind` (on the CPU every step is done at launch,
+    so none is held: the holding itself is tested in tests/scheduler/test_pipelined_dispatch.py)."""
     prompts = shared_prefix_prompts(seed=num_shards, num=10, prefix_len=70)
     calls = [prompts, prompts[:4]]  # the second call finds the first one's prefixes cached
     want = inprocess_outputs(calls, MAX_TOKENS, swa_bounded_replay=replay)
     llm = LLM(
         backend="ray",
         num_shards=num_shards,
-        ray_options={**TEST_OPTIONS, "dispatch": dispatch},
+        ray_options={**TEST_OPTIONS, "dispatch": dispatch, "pipeline_steps": pipelined},
         **llm_kwargs(replay),
     )
     try:
@@ -42,6 +54,7 @@ def test_ray_backend_equals_inprocess(local_ray, num_shards, dispatch, replay):
         counts = ray.get(llm.cluster.scheduler.status.remote())
         # Compiled graphs plan decode steps on top of the one in flight (async scheduling); actor calls don't.
         assert (counts["lookahead_steps"] > 0) == (dispatch == "compiled")
+        assert counts["pipelined"] == pipelined and counts["flushes"] == 0
     finally:
         llm.shutdown()
     for got_call, want_call in zip(got, want, strict=True):

@@ -95,3 +95,22 @@ def test_crashed_worker_restarts_under_actor_calls(local_ray, fault_free):
     assert tokens == fault_free
     assert status["restarts"] == 1 and status.get("respawns", 0) == 0 and status["live_shards"] == [0, 1]
     assert recovery_s < 30
+
+
+def test_crashed_worker_restarts_under_the_pipelined_graph(local_ray, fault_free):
+    """The compiled graph of `execute_behind` is rebuilt over the restarted worker, as the plain one is."""
+    cluster = Cluster.start(
+        engine_config(swa_bounded_replay=False),
+        name="test-faults-pipelined",
+        num_shards=2,
+        **{**TEST_OPTIONS, "pipeline_steps": True},
+    )
+    try:
+        victim = ray.get_actor("worker-1", namespace="test-faults-pipelined")
+        tokens, recovery_s = run_with_fault(cluster, PROMPTS, MAX_TOKENS, lambda: victim.crash.remote())
+        status = asyncio.run(cluster.status())
+    finally:
+        cluster.stop()
+    assert tokens == fault_free
+    assert status["pipelined"] and status["restarts"] == 1 and status["live_shards"] == [0, 1]
+    assert recovery_s < 30
