@@ -34,6 +34,16 @@ def test_launch_options_take_numbers_of_any_integral_or_real_type():
     assert options.num_shards == 2 and options.num_cpus_per_shard == 1
 
 
+def test_pipeline_steps_defaults_from_the_environment(monkeypatch):
+    monkeypatch.delenv("RAYSTATE_PIPELINE_STEPS", raising=False)
+    assert LaunchOptions().pipeline_steps is False
+    monkeypatch.setenv("RAYSTATE_PIPELINE_STEPS", "1")
+    assert LaunchOptions().pipeline_steps is True
+    assert LaunchOptions(pipeline_steps=False).pipeline_steps is False
+    with pytest.raises(InvalidRequest, match="of type bool"):
+        LaunchOptions(pipeline_steps="yes")
+
+
 def test_an_unknown_launch_option_is_refused_before_ray_is_touched():
     import ray
 
