@@ -2,9 +2,9 @@
 
 The scheduler actor sends each step as msgspec bytes, encoded once on its side; the actor decodes them with
 `decode_step`, runs `Worker.execute` and answers with the encoded `StepResult`: a plain actor call, or a
-node of the scheduler's compiled graph. With async scheduling the graph runs `execute_behind` instead,
-which may answer a step with the next message's reply, so the device runs that step while its answer
-travels and the next message comes.
+node of the scheduler's compiled graph. With `pipeline_steps` (and async scheduling) the graph runs
+`execute_behind` instead, which may answer a step with the next message's reply, so the device runs that
+step while its answer travels and the next message comes.
 
 The class is a plain class (`launch.py` applies `ray.remote` with the placement and restart options), and
 torch is imported only when a real worker is built, so importing this module stays light. The device comes
@@ -110,8 +110,9 @@ class WorkerActor:
         Why: `execute` waits for the step's device work before it returns, and the next message is read
         only after that, so the GPU idles for the answer's encoding, the channel hop and the next launch.
         The scheduler's dispatcher (`dispatch.PipelinedDispatch`) knows which answer is whose. `sender`
-        names it: a step held for another sender is dropped unanswered (a dispatcher rebuilt after a fault
-        has every shard that had a real step in flight reset; this one's held step was an idle one)."""
+        names it: a step held for another one is dropped unanswered, so a graph rebuilt after a fault never
+        gets an answer it did not ask for (recovery resets every shard that had a step in flight, which
+        drops its held step too; this guards whatever that misses)."""
         pending = self._launch(decode_step(data))
         done = []
         if self._held is not None:
