@@ -18,10 +18,10 @@ import inspect
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, create_model
+from pydantic import ConfigDict, Field, create_model, field_validator
 from ray import serve
 
 from raystate.client import Client
@@ -84,6 +84,10 @@ class AppArgs(_EngineFields):
     backend: Backend = "ray"
     cluster_name: str = "raystate"  # the Ray backend's cluster: connected to if it runs, else started
     num_shards: int = Field(1, ge=1)
+    # The Ray backend's launch options when a replica starts its deployment: `raystate.launch.LaunchOptions`
+    # fields (dispatch, pipeline_steps, placement_strategy, step_timeout_s, worker_env, ...), as
+    # `LLM(ray_options=...)` takes them; the name and shard count are cluster_name and num_shards.
+    ray_options: dict[str, Any] = Field(default_factory=dict)
     api_key: str | None = None  # None: RAYSTATE_API_KEY in the replica's environment, if set
     require_api_key: bool = False  # fail the replica rather than serve without a key
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
@@ -107,6 +111,20 @@ class AppArgs(_EngineFields):
     # by the replicas of a node), without Serve's proxy; None: through Serve's proxy.
     direct_http_port: int | None = Field(None, ge=1, le=65535)
     direct_http_host: str = "127.0.0.1"
+
+    @field_validator("ray_options")
+    @classmethod
+    def _launch_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """Checked here, where the config is read: a bad one names its field in the error."""
+        from raystate.field_types import check_names
+        from raystate.launch import LaunchOptions
+
+        for fixed in ("name", "num_shards"):
+            if fixed in options:
+                raise InvalidRequest(f"ray_options.{fixed}", "not set here (cluster_name, num_shards)", fixed)
+        check_names(LaunchOptions, options, "a launch option")
+        LaunchOptions(**options)
+        return options
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**self.model_dump(include=set(_EngineFields.model_fields)))
@@ -138,6 +156,7 @@ class RayBackend:
     config: EngineConfig
     name: str
     num_shards: int
+    ray_options: dict[str, Any] = field(default_factory=dict)  # LaunchOptions fields
 
     def __call__(self) -> Client:
         import ray
@@ -159,7 +178,7 @@ class RayBackend:
                 cluster.close()
                 launch.stop(self.name)
         try:
-            return Cluster.start(self.config, name=self.name, num_shards=self.num_shards)
+            return Cluster.start(self.config, name=self.name, num_shards=self.num_shards, **self.ray_options)
         except InvalidRequest as e:  # another replica started it in the meantime
             if e.field != "name":
                 raise
@@ -311,7 +330,7 @@ def make_app(args: dict[str, Any] | AppArgs | None = None, client_factory: Clien
         if opts.backend == "inprocess":
             client_factory = InProcessBackend(config)
         else:
-            client_factory = RayBackend(config, opts.cluster_name, opts.num_shards)
+            client_factory = RayBackend(config, opts.cluster_name, opts.num_shards, opts.ray_options)
     deployment = serve.deployment(
         serve.ingress()(OpenAIIngress),
         name=DEPLOYMENT_NAME,

@@ -17,6 +17,8 @@ from serve_harness import App, free_port
 
 API_KEY = "test-key-" + uuid.uuid4().hex
 BACKEND = "ray"
+CLUSTER = "raystate-serve-tests"
+RAY_OPTIONS = {"pipeline_steps": True, "step_timeout_s": 90.0}
 MAX_MODEL_LEN = 2048
 
 
@@ -45,7 +47,13 @@ def _deploy(port: int, name: str, api_key: str | None) -> App:
 
     from raystate.serve.app import build_app
 
-    args = {"model": "tiny", "backend": BACKEND, "cluster_name": "raystate-serve-tests", "api_key": api_key}
+    args = {
+        "model": "tiny",
+        "backend": BACKEND,
+        "cluster_name": CLUSTER,
+        "api_key": api_key,
+        "ray_options": RAY_OPTIONS,  # the keyed app connects to the open app's deployment: unused there
+    }
     serve.run(build_app(args), name=name, route_prefix=f"/{name}")
     return App(f"http://127.0.0.1:{port}/{name}", api_key)
 

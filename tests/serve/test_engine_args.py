@@ -129,3 +129,18 @@ def test_an_unknown_knob_is_refused_with_the_list_of_knobs():
     with pytest.raises(InvalidRequest, match="an engine knob .*max_num_seqs") as err:
         EngineArgs.from_kwargs(max_num_seq=8)
     assert err.value.field == "max_num_seq"
+
+
+@pytest.mark.parametrize(
+    ("options", "limit"),
+    [
+        ({"dispatch": "grpc"}, "'compiled' or 'actor'"),
+        ({"pipeline_steps": "yes"}, "of type bool"),
+        ({"pipline_steps": True}, "a launch option .*pipeline_steps"),
+        ({"num_shards": 2}, "cluster_name, num_shards"),
+    ],
+)
+def test_bad_ray_options_are_refused_when_the_app_args_are_read(options, limit):
+    with pytest.raises(ValueError, match="ray_options") as err:
+        AppArgs(ray_options=options)
+    assert err.match(limit)

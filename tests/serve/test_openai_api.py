@@ -33,6 +33,8 @@ def _chat_prompt(content: str) -> str:
 def test_served_over_the_ray_backend(open_app):
     status = open_app.status()
     assert status["backend"] == "ray" and status["num_shards"] == 1
+    # The app's ray_options (conftest.RAY_OPTIONS) reached the deployment its replica started.
+    assert status["pipelined"] is True and status["dispatch"] == "compiled"
 
 
 def test_models_lists_the_served_model(open_app):
