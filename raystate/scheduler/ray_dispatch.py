@@ -26,74 +26,76 @@ from raystate.scheduler.dispatch import (
 )
 
 
-class CompiledDispatch(LockstepDispatch):
-    """One compiled graph over every live shard's `execute`; all shards step together (a shard with
-    nothing to do gets an empty step, so the graph's fan-out stays fixed)."""
+class _ShardGraph:
+    """A compiled graph over one method of every live shard's worker: each node takes its shard's payload
+    (an empty step for a shard with nothing to do, so the graph's fan-out stays fixed), then the inputs
+    every node shares. Both compiled dispatchers send and read through it."""
 
-    def __init__(self, workers: dict[int, object]) -> None:
+    def __init__(self, workers: dict[int, object], method: str, num_shared: int = 0) -> None:
         from ray.dag import InputNode, MultiOutputNode
 
-        super().__init__()
         self.shards = sorted(workers)
+        n = len(self.shards)
         with InputNode() as inp:
-            outs = [workers[s].execute.bind(inp[i]) for i, s in enumerate(self.shards)]
+            shared = [inp[n + j] for j in range(num_shared)]
+            outs = [getattr(workers[s], method).bind(inp[i], *shared) for i, s in enumerate(self.shards)]
             self.dag = MultiOutputNode(outs).experimental_compile()
 
-    def _send(self, payloads: dict[int, bytes]):
+    def send(self, payloads: dict[int, bytes], *shared):
         try:
-            return self.dag.execute(*[payloads.get(s, IDLE_STEP) for s in self.shards])
+            return self.dag.execute(*[payloads.get(s, IDLE_STEP) for s in self.shards], *shared)
         except Exception as e:  # the graph refused the input
             raise DispatchRefused(e) from e
 
-    def _wait(self, ref, timeout_s: float | None) -> tuple[dict[int, bytes], dict[int, BaseException]]:
+    def read(self, ref, timeout_s: float | None) -> tuple[dict[int, object], dict[int, BaseException]]:
         try:
             outs = ray.get(ref, timeout=timeout_s)
         except Exception as e:  # a dead actor, a channel error or a timeout: every shard's answer is lost
             return {}, {s: e for s in self.shards}
         return dict(zip(self.shards, outs, strict=True)), {}
 
-    def close(self) -> None:
-        super().close()
+    def teardown(self) -> None:
         with contextlib.suppress(Exception):  # an actor of the graph may be gone already
             self.dag.teardown()
 
 
-class PipelinedCompiledDispatch(PipelinedDispatch):
-    """One compiled graph over every live shard's `execute_behind`: the graph's input is every shard's
-    message, whether to hold its answer, and this graph's id (a worker drops a step held for an older
-    graph: its shard was reset, or the step was an idle one); each shard's output, the results that
-    message finished."""
+class CompiledDispatch(LockstepDispatch):
+    """One compiled graph over every live shard's `execute`; all shards step together."""
 
     def __init__(self, workers: dict[int, object]) -> None:
-        from ray.dag import InputNode, MultiOutputNode
-
         super().__init__()
-        self.shards = sorted(workers)
-        self.graph_id = uuid.uuid4().hex
-        n = len(self.shards)
-        with InputNode() as inp:
-            outs = [
-                workers[s].execute_behind.bind(inp[i], inp[n], inp[n + 1]) for i, s in enumerate(self.shards)
-            ]
-            self.dag = MultiOutputNode(outs).experimental_compile()
+        self.graph = _ShardGraph(workers, "execute")
 
-    def _send(self, payloads: dict[int, bytes], hold: bool):
-        try:
-            return self.dag.execute(*[payloads.get(s, IDLE_STEP) for s in self.shards], hold, self.graph_id)
-        except Exception as e:  # the graph refused the input
-            raise DispatchRefused(e) from e
+    def _send(self, payloads: dict[int, bytes]):
+        return self.graph.send(payloads)
 
-    def _read(self, ref, timeout_s: float | None) -> tuple[dict[int, list[bytes]], dict[int, BaseException]]:
-        try:
-            outs = ray.get(ref, timeout=timeout_s)
-        except Exception as e:  # a dead actor, a channel error or a timeout: every shard's answer is lost
-            return {}, {s: e for s in self.shards}
-        return dict(zip(self.shards, outs, strict=True)), {}
+    def _wait(self, ref, timeout_s: float | None) -> tuple[dict[int, bytes], dict[int, BaseException]]:
+        return self.graph.read(ref, timeout_s)
 
     def close(self) -> None:
         super().close()
-        with contextlib.suppress(Exception):
-            self.dag.teardown()
+        self.graph.teardown()
+
+
+class PipelinedCompiledDispatch(PipelinedDispatch):
+    """One compiled graph over every live shard's `execute_behind`: the graph's input is every shard's
+    message, whether to hold its answer, and this graph's id (a worker drops a step held for another
+    graph); each shard's output, the results that message finished."""
+
+    def __init__(self, workers: dict[int, object]) -> None:
+        super().__init__()
+        self.graph = _ShardGraph(workers, "execute_behind", num_shared=2)
+        self.graph_id = uuid.uuid4().hex
+
+    def _send(self, payloads: dict[int, bytes], hold: bool):
+        return self.graph.send(payloads, hold, self.graph_id)
+
+    def _read(self, ref, timeout_s: float | None) -> tuple[dict[int, list[bytes]], dict[int, BaseException]]:
+        return self.graph.read(ref, timeout_s)
+
+    def close(self) -> None:
+        super().close()
+        self.graph.teardown()
 
 
 class ActorDispatch:
