@@ -79,38 +79,26 @@ def test_killed_scheduler_fails_pending_calls_within_30s(cluster):
             ray.get_actor(f"worker-{shard}", namespace="test-faults")
 
 
-def test_crashed_worker_restarts_under_actor_calls(local_ray, fault_free):
+@pytest.mark.parametrize(
+    ("options", "victim"),
+    [({"dispatch": "actor"}, "worker-0"), ({"pipeline_steps": True}, "worker-1")],
+    ids=["actor-calls", "pipelined-graph"],
+)
+def test_crashed_worker_restarts(local_ray, fault_free, options, victim):
+    """Ray restarts the crashed worker in place (its device state lost, its requests sent again), and the
+    dispatch goes on over it: actor calls through the same handles; the compiled graph of
+    `execute_behind` (pipeline_steps) rebuilt, as the plain graph is."""
+    name = "test-faults-" + next(iter(options))
     cluster = Cluster.start(
-        engine_config(swa_bounded_replay=False),
-        name="test-faults-actor",
-        num_shards=2,
-        **{**TEST_OPTIONS, "dispatch": "actor"},
+        engine_config(swa_bounded_replay=False), name=name, num_shards=2, **{**TEST_OPTIONS, **options}
     )
     try:
-        victim = ray.get_actor("worker-0", namespace="test-faults-actor")
-        tokens, recovery_s = run_with_fault(cluster, PROMPTS, MAX_TOKENS, lambda: victim.crash.remote())
+        actor = ray.get_actor(victim, namespace=name)
+        tokens, recovery_s = run_with_fault(cluster, PROMPTS, MAX_TOKENS, lambda: actor.crash.remote())
         status = asyncio.run(cluster.status())
     finally:
         cluster.stop()
     assert tokens == fault_free
     assert status["restarts"] == 1 and status.get("respawns", 0) == 0 and status["live_shards"] == [0, 1]
-    assert recovery_s < 30
-
-
-def test_crashed_worker_restarts_under_the_pipelined_graph(local_ray, fault_free):
-    """The compiled graph of `execute_behind` is rebuilt over the restarted worker, as the plain one is."""
-    cluster = Cluster.start(
-        engine_config(swa_bounded_replay=False),
-        name="test-faults-pipelined",
-        num_shards=2,
-        **{**TEST_OPTIONS, "pipeline_steps": True},
-    )
-    try:
-        victim = ray.get_actor("worker-1", namespace="test-faults-pipelined")
-        tokens, recovery_s = run_with_fault(cluster, PROMPTS, MAX_TOKENS, lambda: victim.crash.remote())
-        status = asyncio.run(cluster.status())
-    finally:
-        cluster.stop()
-    assert tokens == fault_free
-    assert status["pipelined"] and status["restarts"] == 1 and status["live_shards"] == [0, 1]
+    assert status["pipelined"] == options.get("pipeline_steps", False)
     assert recovery_s < 30
