@@ -90,10 +90,9 @@ def main() -> None:
         return
 
     runs: list[tuple[str, int, dict]] = []
-    base = [a for a in sys.argv[1:] if a != "--json"]
-    if args.json:
-        i = base.index(args.json)
-        del base[i]
+    # What a child process measures with (the rest is the parent's).
+    base = ["--model", args.model, "--device", args.device, "--prompt", str(args.prompt)]
+    base += ["--tokens", str(args.tokens), "--batches", *map(str, args.batches)]
     for r in range(args.rounds):
         for backend in args.backends:
             proc = subprocess.run(

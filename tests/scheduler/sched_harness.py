@@ -260,7 +260,7 @@ class BehindDispatch(PipelinedDispatch):
             actor.worker = _DeviceLikeWorker(w)
             self.actors[s] = actor
         self.sender = sender
-        self.held_counts: list[int] = []  # per message, how many steps each shard answered
+        self.held_counts: list[int] = []  # per message, how many steps shard 0 answered
 
     def _send(self, payloads: dict[int, bytes], hold: bool):
         outs = {
