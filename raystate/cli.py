@@ -203,6 +203,17 @@ def _header_timeout_env(header_timeout_s: float) -> dict[str, str]:
     }
 
 
+def _json_object(text: str) -> dict:
+    """--ray-options' value: a JSON object (its fields are checked with the app's other args)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of launch options, not {type(value).__name__}")
+    return value
+
+
 def _words(values: list[str] | None) -> list[str]:
     """Repeated and comma-separated flag values as one list."""
     return [w.strip() for v in values or [] for w in v.split(",") if w.strip()]
@@ -294,6 +305,7 @@ def _serve(args: argparse.Namespace) -> int:
         direct_http_host=args.host,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        ray_options=args.ray_options,
         **({"cors_allow_methods": _words(args.cors_method)} if args.cors_method else {}),
         **({"cors_allow_headers": _words(args.cors_header)} if args.cors_header else {}),
     )
@@ -330,7 +342,7 @@ def _serve(args: argparse.Namespace) -> int:
             # The backend's actors (the slow part: a process importing torch, weights, CUDA graphs) start
             # while Serve starts its controller and replica; the replica connects to them
             # (`launch.wait_started`) instead of starting its own.
-            _start_backend_in_background(engine_config, args.name, args.num_shards)
+            _start_backend_in_background(engine_config, args.name, args.num_shards, app_args.ray_options)
         if direct:  # the replicas listen on the port themselves; Serve's proxy would only compete for it
             serve.start(proxy_location="Disabled")
         else:
@@ -412,14 +424,14 @@ def _reason(e: BaseException) -> str:
 _BACKENDS: list = []  # the deployments `_start_backend_in_background` started
 
 
-def _start_backend_in_background(config, name: str, num_shards: int) -> None:
+def _start_backend_in_background(config, name: str, num_shards: int, ray_options: dict) -> None:
     """Starts the Ray backend's deployment from a thread; its errors are the replica's to report (the
     replica then starts the deployment itself and fails the same way, which `serve.run` shows)."""
     from raystate.cluster import Cluster
 
     def start() -> None:
         try:  # kept referenced: its actors live as long as this process (a local Ray's driver)
-            _BACKENDS.append(Cluster.start(config, name=name, num_shards=num_shards))
+            _BACKENDS.append(Cluster.start(config, name=name, num_shards=num_shards, **ray_options))
         except Exception as e:
             print(f"raystate: the backend did not start here ({_reason(e)}); the replica retries")
 
@@ -472,8 +484,12 @@ def format_status(status: dict) -> str:
     running, waiting = status.get("num_running", []), status.get("num_waiting", [])
     free = status.get("num_free_blocks", [])
     total = status.get("num_blocks")  # usable blocks per group and shard
+    dispatch = status.get("dispatch")
+    if dispatch and status.get("pipelined"):
+        dispatch += ", pipelined"
     lines = [
-        f"backend: {status.get('backend', '?')}   shards: {status.get('num_shards', len(running))}",
+        f"backend: {status.get('backend', '?')}   shards: {status.get('num_shards', len(running))}"
+        + (f"   dispatch: {dispatch}" if dispatch else ""),
         f"{'shard':>5}  {'running':>7}  {'waiting':>7}  KV cache per group (free/total, use)",
     ]
     for shard, (r, w) in enumerate(zip(running, waiting, strict=False)):
@@ -573,6 +589,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="ray",
         help="ray (worker actors) or inprocess (the engine inside the Serve replica)",
     )
+    s.add_argument(
+        "--ray-options",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="the Ray backend's launch options, a JSON object of raystate.launch.LaunchOptions fields, e.g. "
+        '\'{"pipeline_steps": true, "placement_strategy": "SPREAD", "step_timeout_s": 60}\' (as the Serve '
+        "config's ray_options; --name and --num-shards set the name and shard count)",
+    )
     _add_engine_flags(s)
     s.add_argument(
         "--allowed-host",
@@ -662,6 +687,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _reason_lines(error: ValueError) -> str:
+    """A pydantic ValidationError (the Serve app's args) as its messages alone, one per line, without
+    pydantic's input echo and documentation links; any other error as it reads."""
+    details = getattr(error, "errors", None)
+    if not callable(details):
+        return str(error)
+    lines = []
+    for d in details():
+        where = ".".join(map(str, d.get("loc", ())))
+        message = str(d.get("msg", "")).removeprefix("Value error, ")
+        lines.append(f"{where}: {message}" if where and not message.startswith(f"{where}") else message)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
     if args.cmd != "bench" and rest:
@@ -669,5 +708,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, rest) if args.cmd == "bench" else args.func(args)
     except ValueError as e:
-        print(f"raystate: error: {e}", file=sys.stderr)
+        print(f"raystate: error: {_reason_lines(e)}", file=sys.stderr)
         return 2

@@ -58,7 +58,7 @@ class LaunchOptions:
     # With "compiled" and async scheduling: each worker launches the next step before it answers the last
     # one (`PipelinedCompiledDispatch`), so its device need not idle while answers and messages travel.
     # Off by default until measured on a GPU (bench/bench_backends.py); RAYSTATE_PIPELINE_STEPS=1 in the
-    # environment turns it on where no option reaches (a Serve app, `raystate serve`).
+    # environment turns it on where no option reaches.
     pipeline_steps: bool = field(default_factory=lambda: os.environ.get("RAYSTATE_PIPELINE_STEPS") == "1")
     num_gpus_per_shard: float | None = None  # None: 1 when config.device is CUDA, else 0
     num_cpus_per_shard: float = 1.0

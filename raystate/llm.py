@@ -135,6 +135,8 @@ class LLM:
         if backend == "inprocess":
             if num_shards != 1:
                 raise InvalidRequest("num_shards", "1 with backend='inprocess'", num_shards)
+            if ray_options:
+                raise InvalidRequest("ray_options", "none with backend='inprocess'", sorted(ray_options))
             from raystate.engine import InProcessEngine
 
             self.engine = InProcessEngine(self.config)

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, create_model, field_validator
+from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
 from ray import serve
 
 from raystate.client import Client
@@ -121,10 +121,17 @@ class AppArgs(_EngineFields):
 
         for fixed in ("name", "num_shards"):
             if fixed in options:
-                raise InvalidRequest(f"ray_options.{fixed}", "not set here (cluster_name, num_shards)", fixed)
+                limit = "set by cluster_name and num_shards (--name, --num-shards)"
+                raise InvalidRequest(f"ray_options.{fixed}", limit, fixed)
         check_names(LaunchOptions, options, "a launch option")
         LaunchOptions(**options)
         return options
+
+    @model_validator(mode="after")
+    def _ray_options_need_the_ray_backend(self) -> AppArgs:
+        if self.ray_options and self.backend != "ray":
+            raise InvalidRequest("ray_options", "none with backend inprocess", sorted(self.ray_options))
+        return self
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**self.model_dump(include=set(_EngineFields.model_fields)))

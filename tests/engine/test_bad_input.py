@@ -45,3 +45,16 @@ def test_missing_prompts_and_mismatched_params(make_llm):
         llm.generate(use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"num_shards": 2}, "num_shards"), ({"ray_options": {"pipeline_steps": True}}, "ray_options")],
+)
+def test_the_inprocess_backend_refuses_what_only_ray_uses(kwargs, field):
+    """One worker in this process and no actors: shards and launch options would be dropped unread."""
+    from raystate import LLM
+
+    with pytest.raises(InvalidRequest, match="backend='inprocess'") as err:
+        LLM(backend="inprocess", **kwargs)
+    assert err.value.field == field

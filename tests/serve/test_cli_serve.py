@@ -63,9 +63,10 @@ def test_serve_prints_url_serves_and_stops_on_ctrl_c():
     port = free_port()
     # Two ingress replicas: with direct HTTP (the default) both listen on the port (SO_REUSEPORT). No
     # Ray dashboard: its line is printed only when the local Ray starts one.
-    proc, lines = _start_serve(
-        port, ["--api-key", KEY, "--name", "cli", "--num-replicas", "2", "--no-ray-dashboard"]
-    )
+    # --ray-options reach the deployment the CLI starts beside Serve (status says "pipelined").
+    flags = ["--api-key", KEY, "--name", "cli", "--num-replicas", "2", "--no-ray-dashboard"]
+    flags += ["--ray-options", '{"pipeline_steps": true, "step_timeout_s": 90}']
+    proc, lines = _start_serve(port, flags)
     try:
         out = "".join(_wait_for(lines, "Ctrl-C", timeout_s=180))
         url = f"http://127.0.0.1:{port}"
@@ -89,6 +90,7 @@ def test_serve_prints_url_serves_and_stops_on_ctrl_c():
         )
         assert status.returncode == 0, status.stderr
         assert "backend: ray" in status.stdout and "shards: 1" in status.stdout
+        assert "dispatch: compiled, pipelined" in status.stdout
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0

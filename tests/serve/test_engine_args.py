@@ -137,10 +137,55 @@ def test_an_unknown_knob_is_refused_with_the_list_of_knobs():
         ({"dispatch": "grpc"}, "'compiled' or 'actor'"),
         ({"pipeline_steps": "yes"}, "of type bool"),
         ({"pipline_steps": True}, "a launch option .*pipeline_steps"),
-        ({"num_shards": 2}, "cluster_name, num_shards"),
+        ({"num_shards": 2}, "set by cluster_name and num_shards"),
     ],
 )
 def test_bad_ray_options_are_refused_when_the_app_args_are_read(options, limit):
     with pytest.raises(ValueError, match="ray_options") as err:
         AppArgs(ray_options=options)
     assert err.match(limit)
+
+
+def test_ray_options_need_the_ray_backend():
+    """The in-process engine starts no actors: launch options given to it would be dropped unread."""
+    with pytest.raises(ValueError, match="ray_options: must be none with backend inprocess"):
+        AppArgs(backend="inprocess", ray_options={"pipeline_steps": True})
+    assert AppArgs(backend="inprocess").ray_options == {}
+
+
+def test_the_ray_options_flag_is_the_apps_ray_options():
+    flags = ["serve", "--ray-options", '{"pipeline_steps": true, "step_timeout_s": 60}']
+    assert build_parser().parse_args(flags).ray_options == {"pipeline_steps": True, "step_timeout_s": 60}
+    assert build_parser().parse_args(["serve"]).ray_options == {}
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("{pipeline_steps: true}", "--ray-options: not JSON"),
+        ('["pipeline_steps"]', "--ray-options: a JSON object of launch options, not list"),
+    ],
+)
+def test_a_ray_options_flag_that_is_not_a_json_object_is_a_usage_error(value, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve", "--ray-options", value])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--ray-options", '{"pipline_steps": true}'], "ray_options: pipline_steps: must be a launch option"),
+        (["--ray-options", '{"step_timeout_s": "x"}'], "ray_options: step_timeout_s: must be of type float"),
+        (["--backend", "inprocess", "--ray-options", '{"pipeline_steps": true}'], "none with backend"),
+    ],
+)
+def test_serve_refuses_bad_ray_options_by_name_before_ray_starts(flags, says, capsys):
+    """Checked where the app's args are read, before any Ray starts: the error is the field and the
+    limit on one line, without pydantic's echo of the input."""
+    from raystate.cli import main
+
+    assert main(["serve", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raystate: error: ") and says in err
+    assert "validation error" not in err and "pydantic" not in err and err.count("\n") == 1
