@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # One device call for a session short of device time (2026-12-07): the GPU tests of the decode path and
-# the pipelined Ray dispatch, the decode step in-process against Ray (bench_backends.py), then Gemma-3-4B's
-# decode step (b64/4k) for the working tree and the tree in .before/ (bench/ab_before_after.sh --export REV).
+# the pipelined Ray dispatch, the decode step in-process against Ray (bench_backends.py), and Gemma-3-4B's
+# decode step (b64/4k) for the working tree and the tree in .before/ (bench/ab_before_after.sh --export REV);
+# on an H200, Gemma first.
 # Carry [".whl", ".before"]. Every part is cut to the time left of LIMIT seconds (default 570).
 . bench/gpu_setup.sh || exit 1
 OUT=${OUT:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
 LIMIT=${LIMIT:-570}
 left() { local t=$((LIMIT - SECONDS)); echo $((t > 1 ? t : 1)); }  # timeout 0 would mean none
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
-timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider -p no:benchmark -n 8 --timeout 100 \
-  tests/worker/test_block_tables.py tests/kernels/test_token_history.py tests/worker/test_decode_graph_path.py \
-  tests/worker/test_cudagraph_gpu.py tests/scheduler/test_pipelined_dispatch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
-echo "($SECONDS s)"
+gpu_tests() {
+  timeout $(( $(left) < 120 ? $(left) : 120 )) python3 -m pytest -q -rfE -p no:cacheprovider -p no:benchmark \
+    -n 8 --timeout 100 tests/worker/test_block_tables.py tests/kernels/test_token_history.py \
+    tests/worker/test_decode_graph_path.py tests/worker/test_cudagraph_gpu.py \
+    tests/scheduler/test_pipelined_dispatch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+  echo "(tests: $SECONDS s)"
+}
 gemma() {  # gemma LABEL [before]: one bench_decode process
   local dir=. env=""
   if [ "$2" = before ]; then ln -sfn ../kernels .before/raystate/kernels; dir=.before; env="PYTHONPATH=$PWD/.before"; fi
@@ -32,6 +36,6 @@ gemma_part() {
   [ "$(left)" -gt 60 ] && gemma after_1
   [ "$(left)" -gt 60 ] && gemma before_1 before
 }
-# On an H200 Gemma's figure (issue 15's goal) comes first; elsewhere the backends bench.
-if grep -q H200 "$OUT/gpu.txt"; then gemma_part; backends; else backends; gemma_part; fi
+# On an H200 Gemma's figure (issue 15's goal) comes first; elsewhere the tests and the backends bench.
+if grep -q H200 "$OUT/gpu.txt"; then gemma_part; gpu_tests; backends; else gpu_tests; backends; gemma_part; fi
 exit 0
