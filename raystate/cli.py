@@ -287,6 +287,7 @@ def _serve(args: argparse.Namespace) -> int:
         # written into the application's stored arguments, and a replica without it refuses to start.
         os.environ[API_KEY_ENV] = api_key
     engine_args = _engine_args(args)
+    served = args.served_model_name or args.model  # the id clients send as "model"
     app_args = AppArgs(
         **dataclasses.asdict(engine_args),
         backend=args.backend,
@@ -305,6 +306,7 @@ def _serve(args: argparse.Namespace) -> int:
         direct_http_host=args.host,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        served_model_name=args.served_model_name,
         ray_options=args.ray_options,
         **({"cors_allow_methods": _words(args.cors_method)} if args.cors_method else {}),
         **({"cors_allow_headers": _words(args.cors_header)} if args.cors_header else {}),
@@ -351,7 +353,7 @@ def _serve(args: argparse.Namespace) -> int:
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         url = f"http://{host}:{args.port}"
         print(
-            f"raystate: serving model {args.model!r} ({describe_model(model)}; {args.backend} backend, "
+            f"raystate: serving model {served!r} ({describe_model(model)}; {args.backend} backend, "
             f"{args.num_shards} shard(s), {app_args.num_replicas} ingress replica(s))"
         )
         if args.backend == "ray":
@@ -368,7 +370,7 @@ def _serve(args: argparse.Namespace) -> int:
             print("raystate: note: the request header timeout is a setting of the cluster's proxies (README)")
         if direct and not local:
             print("raystate: note: direct HTTP: each node running a replica listens on the port (README)")
-        print(f"raystate: try  {_curl_example(url, args.model, api_key)}")
+        print(f"raystate: try  {_curl_example(url, served, api_key)}")
         with _StopSignals() as signals:
             print("raystate: Ctrl-C stops the server", flush=True)
             signals.wait(1)
@@ -641,6 +643,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGINT/SIGTERM, new requests get 503 and running ones (streams too) get this long to "
         "finish; streams still open then end with an error event and [DONE]. Default: 30",
+    )
+    s.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help='the id clients send as "model" and responses and /v1/models carry (default: --model as '
+        "given, e.g. the checkpoint's folder path)",
     )
     s.add_argument("--name", default="raystate", help="the Serve application and backend cluster name")
     s.add_argument("--verbose", action="store_true", help="forward Ray's worker logs to this terminal")

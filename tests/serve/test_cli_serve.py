@@ -66,21 +66,27 @@ def test_serve_prints_url_serves_and_stops_on_ctrl_c():
     # --ray-options reach the deployment the CLI starts beside Serve (status says "pipelined").
     flags = ["--api-key", KEY, "--name", "cli", "--num-replicas", "2", "--no-ray-dashboard"]
     flags += ["--ray-options", '{"pipeline_steps": true, "step_timeout_s": 90}']
+    flags += ["--served-model-name", "tiny-cli"]  # what clients send as "model"
     proc, lines = _start_serve(port, flags)
     try:
         out = "".join(_wait_for(lines, "Ctrl-C", timeout_s=180))
         url = f"http://127.0.0.1:{port}"
         assert f"{url}/v1" in out
         assert "2 ingress replica(s)" in out and "shard 0 start-up: weights" in out
-        assert "curl" in out and "Authorization: Bearer" in out
+        assert "curl" in out and "Authorization: Bearer" in out and '"model": "tiny-cli"' in out
+        assert "serving model 'tiny-cli'" in out
         assert "Ray dashboard" not in out  # --no-ray-dashboard: the local Ray started without it
 
-        body = {"model": "tiny", "prompt": "F1 cli", "max_tokens": 4, "temperature": 0}
+        body = {"model": "tiny-cli", "prompt": "F1 cli", "max_tokens": 4, "temperature": 0}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 401
-        r = httpx.post(
-            f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
-        )
+        auth = {"Authorization": f"Bearer {KEY}"}
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert r.json()["model"] == "tiny-cli"
+        models = httpx.get(f"{url}/v1/models", headers=auth, timeout=60).json()
+        assert [card["id"] for card in models["data"]] == ["tiny-cli"]
+        r = httpx.post(f"{url}/v1/completions", json={**body, "model": "tiny"}, headers=auth, timeout=60)
+        assert r.status_code == 404 and "tiny-cli" in r.text  # the --model word is not an alias
 
         status = subprocess.run(
             [sys.executable, "-m", "raystate", "status", "--url", url, "--api-key", KEY],
