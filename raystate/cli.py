@@ -307,6 +307,7 @@ def _serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         served_model_name=args.served_model_name,
+        chat_template=args.chat_template,
         ray_options=args.ray_options,
         **({"cors_allow_methods": _words(args.cors_method)} if args.cors_method else {}),
         **({"cors_allow_headers": _words(args.cors_header)} if args.cors_header else {}),
@@ -643,6 +644,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGINT/SIGTERM, new requests get 503 and running ones (streams too) get this long to "
         "finish; streams still open then end with an error event and [DONE]. Default: 30",
+    )
+    s.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEXT",
+        help="a Jinja chat template (a file, or the template text) rendered for /v1/chat/completions in "
+        "place of the checkpoint's: for a checkpoint that has none, or to fix one (default: the "
+        "checkpoint's)",
     )
     s.add_argument(
         "--served-model-name",

@@ -188,24 +188,32 @@ class LLM:
         continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generates a reply to each conversation (one list of `{"role", "content"}` messages, or a list of
         them), rendered with the model's chat template exactly as the OpenAI server renders a
         /v1/chat/completions request: `tools` (OpenAI tool definitions, given to the template as
         transformers' `tools`), `chat_template_kwargs` (template variables such as `enable_thinking`) and
-        `continue_final_message` as the server takes them, as vLLM's `LLM.chat` does. The reply is text:
+        `continue_final_message` as the server takes them, as vLLM's `LLM.chat` does; `chat_template` (a
+        Jinja template's text or file) is rendered in place of the checkpoint's, as the server's
+        `--chat-template`. The reply is text:
         reading tool calls out of it is the server's (`raystate.serve.tool_calls`). A template that refuses
         a conversation, or a model without one, raises InvalidRequest naming `messages`. Each output's
         `prompt` is the rendered prompt text."""
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise InvalidRequest("messages", "a conversation or a list of conversations", messages)
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        text = self.text
+        if chat_template is not None:
+            from raystate.hf.chat_template import read_chat_template
+
+            text = text.with_chat_template(read_chat_template(chat_template))
         items = []
         for conversation in conversations:
             if isinstance(conversation, str) or not isinstance(conversation, Sequence):
                 raise InvalidRequest("messages", "lists of message objects", conversation)
             items.append(
-                self.text.chat_prompt(
+                text.chat_prompt(
                     conversation,
                     add_generation_prompt=add_generation_prompt and not continue_final_message,
                     continue_final_message=continue_final_message,

@@ -18,17 +18,22 @@ import pytest
 
 
 class AsgiApp:
-    def __init__(self, model: str, served_name: str | None = None, **engine) -> None:
+    def __init__(
+        self, model: str, served_name: str | None = None, chat_template: str | None = None, **engine
+    ) -> None:
         """`model`: a model word (`AppArgs.model`); `served_name`: the name clients send (default: the
-        model's); `engine`: EngineArgs knobs."""
+        model's); `chat_template`: `AppArgs.chat_template` (a file or template text); `engine`: EngineArgs
+        knobs."""
         from raystate.client import InProcessClient
         from raystate.serve.app import AppArgs
         from raystate.serve.ingress import create_api
         from raystate.serve.server import RaystateServer
 
         self.loop = asyncio.new_event_loop()
-        config = AppArgs(model=model, backend="inprocess", **engine).engine_config()
-        self.server = RaystateServer(InProcessClient(config), served_name)
+        args = AppArgs(model=model, backend="inprocess", chat_template=chat_template, **engine)
+        self.server = RaystateServer(
+            InProcessClient(args.engine_config()), served_name, chat_template=args.chat_template
+        )
         self.name = self.server.model_name
         transport = httpx.ASGITransport(app=create_api(self.server), raise_app_exceptions=False)
         self.http = httpx.AsyncClient(transport=transport, base_url="http://local", timeout=120)

@@ -122,6 +122,31 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def read_chat_template(value: str, field: str = "chat_template") -> str:
+    """A chat template given by the user (vLLM's `--chat-template`): the text of the file `value` names,
+    or `value` itself when it is template text (it holds `{{` or `{%`). Compiled here, so a syntax error
+    is reported where the template is given, with its line, not at the first chat request."""
+    from pathlib import Path
+
+    looks_like_template = "{{" in value or "{%" in value
+    path = Path(value).expanduser() if not looks_like_template and "\n" not in value else None
+    if path is not None and path.is_file():
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidRequest(field, "a readable UTF-8 template file", f"{value} ({e})") from None
+    elif looks_like_template:
+        source = value
+    else:
+        raise InvalidRequest(field, "a template file or Jinja template text", f"{value} (no such file)")
+    try:
+        compile_chat_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        where = f"{value}, " if path is not None else ""
+        raise InvalidRequest(field, "a Jinja template", f"{where}line {e.lineno}: {e.message}") from None
+    return source
+
+
 def select_chat_template(
     templates: str | Mapping[str, str] | None, name: str | None = None, has_tools: bool = False
 ) -> str:

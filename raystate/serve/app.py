@@ -73,6 +73,10 @@ class AppArgs(_EngineFields):
     # The id clients send as `model` and responses carry; default: the `model` word as given (a named
     # model, a checkpoint folder or a hub id).
     served_model_name: str | None = None
+    # A chat template in place of the checkpoint's (vLLM's --chat-template): a file's path or the template
+    # text; read and compiled where the args are read, so the replicas get the text (no file on their
+    # nodes) and a bad template fails the config, not the first chat request.
+    chat_template: str | None = None
     # How the model writes tool calls in free text, for tool_choice "auto": "auto", the format its chat
     # template writes if raystate knows it; "hermes" (<tool_call> blocks: Qwen2.5, Qwen3, Hermes);
     # "llama3_json" (Llama 3.1-3.3's bare JSON calls); "none":
@@ -111,6 +115,13 @@ class AppArgs(_EngineFields):
     # by the replicas of a node), without Serve's proxy; None: through Serve's proxy.
     direct_http_port: int | None = Field(None, ge=1, le=65535)
     direct_http_host: str = "127.0.0.1"
+
+    @field_validator("chat_template")
+    @classmethod
+    def _read_chat_template(cls, value: str | None) -> str | None:
+        from raystate.hf.chat_template import read_chat_template
+
+        return None if value is None else read_chat_template(value)
 
     @field_validator("ray_options")
     @classmethod
@@ -255,6 +266,7 @@ class OpenAIIngress:
         direct_http: tuple[str, int] | None = None,
         tool_call_parser: str = "auto",
         reasoning_parser: str = "none",
+        chat_template: str | None = None,
     ) -> None:
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         if require_api_key and not api_key:
@@ -269,6 +281,7 @@ class OpenAIIngress:
             model_name,
             tool_call_parser=parser,
             reasoning_parser=None if reasoning_parser == "none" else reasoning_parser,
+            chat_template=chat_template,
         )
         self._api_key = api_key
         self._max_body_bytes = max_body_bytes
@@ -373,4 +386,5 @@ def make_app(args: dict[str, Any] | AppArgs | None = None, client_factory: Clien
         None if opts.direct_http_port is None else (opts.direct_http_host, opts.direct_http_port),
         opts.tool_call_parser,
         opts.reasoning_parser,
+        opts.chat_template,
     )

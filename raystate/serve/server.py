@@ -230,6 +230,7 @@ class RaystateServer:
         text: ModelText | None = None,
         tool_call_parser: str | None = "auto",
         reasoning_parser: str | None = None,
+        chat_template: str | None = None,
     ) -> None:
         """`model_name`: the id clients send as `model` and responses carry (default: the model's name).
         `text`: the model's tokenizer and generation defaults (default: those of the model
@@ -237,13 +238,15 @@ class RaystateServer:
         writes tool calls, for tool_choice "auto" (`raystate.serve.tool_calls.TOOL_CALL_PARSERS`); "auto":
         the format its chat template writes, if raystate knows it; None: tool_choice "auto" is refused.
         `reasoning_parser` (`raystate.serve.reasoning.REASONING_PARSERS`): the model's `<think>` text goes
-        to `reasoning_content`; None: it stays in the content."""
+        to `reasoning_content`; None: it stays in the content. `chat_template`: template text rendered in
+        place of the checkpoint's (`raystate.hf.chat_template.read_chat_template` reads a user's)."""
         self.client = client
         config = client.config
         self.model_name = model_name or config.model.name
         self.vocab_size = config.model.vocab_size
         self.max_model_len = config.max_model_len  # the checkpoint's (or the max_model_len knob's)
-        self.text = text if text is not None else model_text_for_config(config, self.model_name)
+        text = text if text is not None else model_text_for_config(config, self.model_name)
+        self.text = text.with_chat_template(chat_template)
         self.tokenizer = self.text.tokenizer
         # generation_config.json's sampling fields, for requests that leave them out
         self.sampling_defaults = self.text.sampling_defaults()

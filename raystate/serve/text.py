@@ -21,7 +21,7 @@ Torch-free: the serving layer imports this (raystate.hf needs only `tokenizers` 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from raystate.engine_args import ResolvedModel, load_tokenizer
@@ -51,7 +51,7 @@ class NoChatTemplate(InvalidRequest):
         self.args = (
             f"messages: the model {model!r} has no chat template (its tokenizer_config.json sets none "
             "and there is no chat_template.jinja), so it takes no chat requests; send a prompt to "
-            "/v1/completions instead",
+            "/v1/completions instead, or give the server a template (--chat-template)",
         )
 
 
@@ -63,6 +63,17 @@ class ModelText:
     is_hf: bool = False
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     name: str = ""
+    # A template the user gave in place of the checkpoint's (`--chat-template`); None: the checkpoint's.
+    chat_template: str | None = None
+
+    def with_chat_template(self, source: str | None) -> ModelText:
+        """This model's text side with `source` as its chat template (None: unchanged). Only a Hugging Face
+        checkpoint renders one: the byte models have a plain format of their own."""
+        if source is None:
+            return self
+        if not self.is_hf:
+            raise InvalidRequest("chat_template", "given only for a Hugging Face checkpoint", self.name)
+        return replace(self, chat_template=source)
 
     # -- prompts -------------------------------------------------------------------------------------
 
@@ -115,13 +126,14 @@ class ModelText:
             if continue_final_message:
                 text = text.removesuffix("\n")
             return text, self.tokenizer.encode(text, add_bos=add_special_tokens is not False)
-        if self.tokenizer.chat_template is None:
+        if self.chat_template is None and self.tokenizer.chat_template is None:
             raise NoChatTemplate(self.name)
         text = self.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=list(tools) if tools else None,
+            chat_template=self.chat_template,
             **dict(template_kwargs or {}),
         )
         return text, self.tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
@@ -129,6 +141,8 @@ class ModelText:
     def chat_template_source(self) -> str | None:
         """The chat template's text (every named template of a checkpoint that has several, joined), to
         recognise the tool-call format it writes; None for a byte model or a checkpoint without one."""
+        if self.chat_template is not None:
+            return self.chat_template
         templates = getattr(self.tokenizer, "chat_template", None) if self.is_hf else None
         if isinstance(templates, Mapping):
             return "\n".join(templates.values())

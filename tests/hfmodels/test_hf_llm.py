@@ -90,6 +90,23 @@ def test_chat_takes_tools_and_a_continued_message_like_transformers(llm, llama):
     assert cont.prompt.endswith("Bonjour,")
 
 
+def test_chat_takes_a_template_in_place_of_the_checkpoint_s(llm, llama, tmp_path):
+    """vLLM's `LLM.chat(chat_template=...)`: the text, or (as the server's --chat-template) a file."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(llama))
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    template_file = tmp_path / "plain.jinja"
+    template_file.write_text(template)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    want = tok.apply_chat_template(CHAT, chat_template=template, add_generation_prompt=True, tokenize=False)
+    assert want.startswith("<system>")
+    for given in (template, str(template_file)):
+        (out,) = llm.chat(CHAT, params, use_tqdm=False, chat_template=given)
+        assert out.prompt == want
+        assert out.prompt_token_ids == tok.encode(want, add_special_tokens=False)
+    (own,) = llm.chat(CHAT, params, use_tqdm=False)  # the next call renders the checkpoint's again
+    assert own.prompt == tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+
+
 def test_default_sampling_params_are_the_checkpoint_s(llm):
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.max_tokens) == (0.6, 0.9, 0, 5)

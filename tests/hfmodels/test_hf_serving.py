@@ -283,6 +283,82 @@ def test_model_without_chat_template_refuses_chat_with_a_400(checkpoints):
         app.close()
 
 
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+def test_a_chat_template_file_lets_a_checkpoint_without_one_chat(checkpoints, tmp_path):
+    """vLLM's --chat-template: the bare checkpoint given the original's template as a file renders
+    exactly what the original renders with its own."""
+    template_file = tmp_path / "chatml.jinja"
+    template_file.write_text(hf_tokenizer(checkpoints["qwen3"]).chat_template)
+    app = AsgiApp(checkpoints["qwen3_no_template"], served_name="bare", chat_template=str(template_file))
+    try:
+        expected = hf_chat_ids(checkpoints["qwen3"], SYSTEM_CHAT)
+        r = app.post("/v1/chat/completions", {"messages": SYSTEM_CHAT, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(expected)
+        assert app.server._prepare_chat(ChatCompletionRequest(messages=SYSTEM_CHAT)).prompt_ids == expected
+    finally:
+        app.close()
+
+
+def test_a_chat_template_text_replaces_the_checkpoint_s(checkpoints):
+    app = AsgiApp(checkpoints["llama"], chat_template=PLAIN_TEMPLATE)
+    try:
+        tok = hf_tokenizer(checkpoints["llama"])
+        rendered = tok.apply_chat_template(
+            SYSTEM_CHAT, chat_template=PLAIN_TEMPLATE, add_generation_prompt=True, tokenize=False
+        )
+        assert rendered.startswith("[system] You are terse.\n[user] ")
+        prepared = app.server._prepare_chat(ChatCompletionRequest(messages=SYSTEM_CHAT))
+        assert prepared.prompt_ids == tok.encode(rendered, add_special_tokens=False)
+        # the tool-call format is read from the template in use, which writes none
+        assert app.server.tool_call_parser is None
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (
+            "/no/such/template.jinja",
+            "a template file or Jinja template text, got '/no/such/template.jinja (no",
+        ),
+        ("{% for m in messages %}{{ m }}", 'a Jinja template, got "line 1: Unexpected end of template'),
+    ],
+)
+def test_a_bad_chat_template_is_refused_where_it_is_given(value, says):
+    from raystate.serve.app import AppArgs
+
+    with pytest.raises(ValueError, match="chat_template") as err:
+        AppArgs(chat_template=value)
+    assert says in str(err.value)
+
+
+def test_a_bad_chat_template_file_names_the_file_and_line(tmp_path):
+    from raystate.errors import InvalidRequest
+    from raystate.hf.chat_template import read_chat_template
+
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{{ bos_token }}\n{% if messages %}\n{{ messages[0] }\n")
+    with pytest.raises(InvalidRequest) as err:
+        read_chat_template(str(bad))
+    assert err.value.field == "chat_template" and f"{bad}, line 3" in str(err.value)
+
+
+def test_a_byte_model_takes_no_chat_template():
+    """The byte models render chats in a plain format of their own: a template would go unused."""
+    from raystate.serve.app import AppArgs
+
+    args = AppArgs(model="tiny", chat_template=PLAIN_TEMPLATE)  # read and compiled: it is a template
+    with pytest.raises(ValueError, match="chat_template: must be given only for a Hugging Face checkpoint"):
+        AsgiApp("tiny", chat_template=args.chat_template)
+
+
 def test_models_lists_the_served_name_and_the_checkpoint_max_model_len(qwen3_app, checkpoints):
     cfg = json.loads((checkpoints["qwen3"] / "config.json").read_text())
     cards = qwen3_app.get("/v1/models").json()["data"]

@@ -153,6 +153,17 @@ def test_ray_options_need_the_ray_backend():
     assert AppArgs(backend="inprocess").ray_options == {}
 
 
+def test_serve_reads_the_chat_template_flag_before_ray_starts(capsys):
+    """--chat-template: a file or the template text; a name that is neither is refused by name, before
+    any Ray starts (the tests of the template itself: tests/hfmodels/test_hf_serving.py)."""
+    assert build_parser().parse_args(["serve", "--chat-template", "t.jinja"]).chat_template == "t.jinja"
+    from raystate.cli import main
+
+    assert main(["serve", "--chat-template", "no-such-template.jinja"]) == 2
+    err = capsys.readouterr().err
+    assert "chat_template: must be a template file or Jinja template text" in err
+
+
 def test_the_ray_options_flag_is_the_apps_ray_options():
     flags = ["serve", "--ray-options", '{"pipeline_steps": true, "step_timeout_s": 60}']
     assert build_parser().parse_args(flags).ray_options == {"pipeline_steps": True, "step_timeout_s": 60}
