@@ -308,6 +308,7 @@ def _serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         served_model_name=args.served_model_name,
         chat_template=args.chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
         ray_options=args.ray_options,
         **({"cors_allow_methods": _words(args.cors_method)} if args.cors_method else {}),
         **({"cors_allow_headers": _words(args.cors_header)} if args.cors_header else {}),
@@ -651,6 +652,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Jinja chat template (a file, or the template text) rendered for /v1/chat/completions in "
         "place of the checkpoint's: for a checkpoint that has none, or to fix one (default: the "
         "checkpoint's)",
+    )
+    s.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat request's own chat_template in place of the server's (default: such a "
+        "request is refused, since a template is code that runs in the server)",
     )
     s.add_argument(
         "--served-model-name",

@@ -333,6 +333,8 @@ class EngineConfig:
     # scheduler's work with the device's; see Scheduler.schedule(lookahead=True)).
     async_scheduling: bool = True
     model_path: str | None = None  # a save_pretrained directory; None: seeded weights of `model`
+    # A tokenizer folder given apart from the checkpoint (`tokenizer`); None: the checkpoint's own.
+    tokenizer_path: str | None = None
 
     def __post_init__(self) -> None:
         _check(

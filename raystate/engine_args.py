@@ -37,7 +37,8 @@ class ResolvedModel:
 
     config: ModelConfig
     path: str | None = None  # a checkpoint folder; None: weights drawn from `config.seed`
-    # "byte": ByteTokenizer (the reference models); otherwise the folder holding tokenizer.json
+    # "byte": ByteTokenizer (the reference models); otherwise the folder holding tokenizer.json (the
+    # checkpoint's own, or the one given as `tokenizer`)
     tokenizer: str = "byte"
     dtype: str | None = None  # the checkpoint's own dtype (what dtype="auto" takes on CUDA); None: unknown
 
@@ -46,12 +47,22 @@ class ResolvedModel:
         return self.config.architecture != "raystate_hybrid"
 
 
-def resolve_model(model: str, max_model_len: int | None = None) -> ResolvedModel:
+def resolve_model(
+    model: str,
+    max_model_len: int | None = None,
+    *,
+    revision: str | None = None,
+    tokenizer: str | None = None,
+    tokenizer_revision: str | None = None,
+) -> ResolvedModel:
     """A model word -> its ModelConfig, weights path and tokenizer choice: a named config ("tiny",
     "bench"), a folder holding a config.json (a Hugging Face checkpoint, or one of our own saves), or a
-    Hugging Face hub id (downloaded once into the hub cache, where the network allows).
+    Hugging Face hub id (downloaded once into the hub cache, where the network allows, at `revision`).
 
     The one place a `--model` / `model=` is interpreted. `max_model_len` replaces the model's own limit.
+    `tokenizer` (a folder or hub id, at `tokenizer_revision`) replaces a checkpoint's own tokenizer and
+    chat template. A revision only means something for a hub id: given for anything else it is refused,
+    as is a tokenizer for a model that reads bytes.
     """
     if model in NAMED_MODELS:
         resolved = ResolvedModel(ModelConfig.named(model))
@@ -72,12 +83,43 @@ def resolve_model(model: str, max_model_len: int | None = None) -> ResolvedModel
                 f"a named model ({', '.join(sorted(NAMED_MODELS))}), a checkpoint folder or a hub id",
                 model,
             )
-        resolved = _resolve_folder(str(resolve_checkpoint_folder(model)), name=model)
+        folder = resolve_checkpoint_folder(model, revision=revision)
+        resolved = _resolve_folder(str(folder), name=model)
+        revision = None  # used
+    if revision is not None:
+        raise InvalidRequest("revision", f"unset: model {model!r} is not a hub id", revision)
+    if tokenizer is not None:
+        if resolved.tokenizer == "byte":
+            raise InvalidRequest(
+                "tokenizer",
+                f"unset: model {model!r} reads bytes (only a Hugging Face checkpoint takes one)",
+                tokenizer,
+            )
+        from raystate.hf.hub import looks_like_hub_id, resolve_tokenizer_folder
+
+        if tokenizer_revision is not None and (os.path.exists(tokenizer) or not looks_like_hub_id(tokenizer)):
+            raise InvalidRequest(
+                "tokenizer_revision", f"unset: tokenizer {tokenizer!r} is not a hub id", tokenizer_revision
+            )
+        folder = resolve_tokenizer_folder(tokenizer, revision=tokenizer_revision)
+        resolved = dataclasses.replace(resolved, tokenizer=str(folder))
+    elif tokenizer_revision is not None:
+        raise InvalidRequest("tokenizer_revision", "unset: no tokenizer is given", tokenizer_revision)
     if max_model_len is not None:
         resolved = dataclasses.replace(
             resolved, config=dataclasses.replace(resolved.config, max_model_len=max_model_len)
         )
     return resolved
+
+
+def resolve_engine_model(args: EngineArgs) -> ResolvedModel:
+    """`resolve_model` of the model, revision and tokenizer knobs of `args`."""
+    return resolve_model(
+        args.model,
+        revision=args.revision,
+        tokenizer=args.tokenizer,
+        tokenizer_revision=args.tokenizer_revision,
+    )
 
 
 def _resolve_folder(folder: str, name: str | None = None) -> ResolvedModel:
@@ -124,6 +166,17 @@ class EngineArgs:
     model: str = _knob(
         "tiny",
         "a named model (tiny, bench), a Hugging Face checkpoint folder or hub id, or a saved raystate model",
+    )
+    revision: str | None = _knob(
+        None, "the branch, tag or commit of a model given as a hub id (default: the hub's main)"
+    )
+    tokenizer: str | None = _knob(
+        None,
+        "a Hugging Face tokenizer (a folder holding tokenizer.json, or a hub id) used, with its chat "
+        "template, instead of the checkpoint's (default: the checkpoint's)",
+    )
+    tokenizer_revision: str | None = _knob(
+        None, "the branch, tag or commit of a tokenizer given as a hub id (default: the hub's main)"
     )
     max_model_len: int | None = _knob(
         None, "longest request (prompt + output) in tokens (default: the model's)"
@@ -200,7 +253,7 @@ def build_engine_config(args: EngineArgs, model: ResolvedModel | None = None) ->
     replaces the model's own limit.
     """
     if model is None:
-        model = resolve_model(args.model)
+        model = resolve_engine_model(args)
     model_config = model.config
     if args.max_model_len is not None:
         model_config = dataclasses.replace(model_config, max_model_len=args.max_model_len)
@@ -229,4 +282,5 @@ def build_engine_config(args: EngineArgs, model: ResolvedModel | None = None) ->
         cuda_graphs=args.cuda_graphs,
         async_scheduling=args.async_scheduling,
         model_path=model.path,
+        tokenizer_path=model.tokenizer if model.tokenizer not in ("byte", model.path) else None,
     )

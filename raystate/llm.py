@@ -30,7 +30,7 @@ from raystate.engine_args import (
     Backend,
     EngineArgs,
     build_engine_config,
-    resolve_model,
+    resolve_engine_model,
 )
 from raystate.errors import InvalidRequest
 from raystate.fanout import ChildRequest, child_requests
@@ -124,7 +124,7 @@ class LLM:
         requests admitted in one step with the same replayed prefix hit rebuild its sliding window once
         (`raystate.scheduler.kv_manager`)."""
         args = EngineArgs.from_kwargs(model=model, **engine_args)
-        resolved = resolve_model(args.model)
+        resolved = resolve_engine_model(args)
         self.config = build_engine_config(args, resolved)
         self.text = load_model_text(resolved, model)
         self.tokenizer = self.text.tokenizer

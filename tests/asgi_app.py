@@ -19,11 +19,16 @@ import pytest
 
 class AsgiApp:
     def __init__(
-        self, model: str, served_name: str | None = None, chat_template: str | None = None, **engine
+        self,
+        model: str,
+        served_name: str | None = None,
+        chat_template: str | None = None,
+        trust_request_chat_template: bool = False,
+        **engine,
     ) -> None:
         """`model`: a model word (`AppArgs.model`); `served_name`: the name clients send (default: the
-        model's); `chat_template`: `AppArgs.chat_template` (a file or template text); `engine`: EngineArgs
-        knobs."""
+        model's); `chat_template`: `AppArgs.chat_template` (a file or template text);
+        `trust_request_chat_template`: the app takes a request's own template; `engine`: EngineArgs knobs."""
         from raystate.client import InProcessClient
         from raystate.serve.app import AppArgs
         from raystate.serve.ingress import create_api
@@ -32,7 +37,10 @@ class AsgiApp:
         self.loop = asyncio.new_event_loop()
         args = AppArgs(model=model, backend="inprocess", chat_template=chat_template, **engine)
         self.server = RaystateServer(
-            InProcessClient(args.engine_config()), served_name, chat_template=args.chat_template
+            InProcessClient(args.engine_config()),
+            served_name,
+            chat_template=args.chat_template,
+            trust_request_chat_template=trust_request_chat_template,
         )
         self.name = self.server.model_name
         transport = httpx.ASGITransport(app=create_api(self.server), raise_app_exceptions=False)

@@ -147,6 +147,16 @@ def read_chat_template(value: str, field: str = "chat_template") -> str:
     return source
 
 
+def request_chat_template(source: str, field: str = "chat_template") -> str:
+    """A chat template sent in a request (vLLM's request `chat_template`): only its text, never a file of
+    the server's; compiled here so a syntax error is a 400 naming the field and the line."""
+    try:
+        compile_chat_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise InvalidRequest(field, "a Jinja template", f"line {e.lineno}: {e.message}") from None
+    return source
+
+
 def select_chat_template(
     templates: str | Mapping[str, str] | None, name: str | None = None, has_tools: bool = False
 ) -> str:

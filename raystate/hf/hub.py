@@ -1,4 +1,4 @@
-"""A `--model` word to a local checkpoint folder: a folder as is, or a Hugging Face hub id downloaded.
+"""A `--model` (or `--tokenizer`) word to a local folder: a folder as is, or a Hugging Face hub id downloaded.
 
 Serving hosts are often offline, so the hub path's errors must say what was looked for and where: the
 word is not a folder, the cache (HF_HUB_CACHE, from HF_HOME) holds no copy, and the hub was unreachable.
@@ -30,6 +30,16 @@ ALLOW_PATTERNS = [
     "model.safetensors.index.json",
     "tokenizer.model",
 ]
+# What a tokenizer of its own (`--tokenizer`) needs: the tokenizer, its special tokens and chat templates.
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_PATTERNS = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "additional_chat_templates/*.jinja",
+]
 
 # One hub id segment: letters, digits, '_', '-', '.', starting and ending with a letter, digit or '_'.
 _SEGMENT = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?"
@@ -42,16 +52,23 @@ class ModelNotAvailable(InvalidRequest):
     where the cache is and what to do, because the person reading it is on a machine that cannot fix it
     by retrying."""
 
-    def __init__(self, model: str, cache_dir: str, hub_state: str, partial_copy: str | None = None) -> None:
-        super().__init__("model", "a local checkpoint folder or a hub id with a copy in the cache", model)
+    def __init__(
+        self,
+        model: str,
+        cache_dir: str,
+        hub_state: str,
+        partial_copy: str | None = None,
+        field: str = "model",
+    ) -> None:
+        super().__init__(field, "a local folder or a hub id with a copy in the cache", model)
         self.cache_dir = cache_dir
         if partial_copy is None:
             cached = f"no copy of it is in the Hugging Face cache at {cache_dir}"
         else:
             cached = f"its copy in the Hugging Face cache at {cache_dir} is incomplete ({partial_copy})"
         self.args = (
-            f"model {model!r} is not a local folder, {cached}, and {hub_state}. Download it on a machine "
-            f"with network access (e.g. `hf download {model}`) and point --model at the downloaded folder, "
+            f"{field} {model!r} is not a local folder, {cached}, and {hub_state}. Download it on a machine "
+            f"with network access (e.g. `hf download {model}`) and point --{field} at the downloaded folder, "
             "or set HF_HUB_CACHE (or HF_HOME) to a cache that holds it.",
         )
 
@@ -76,12 +93,12 @@ def looks_like_hub_id(model: str) -> bool:
     return _HUB_ID.fullmatch(model) is not None
 
 
-def _local_folder(path: Path, model: str) -> Path:
-    """An existing path that must be a checkpoint folder."""
+def _local_folder(path: Path, word: str, field: str, kind: str, required: str) -> Path:
+    """An existing path that must be a folder holding `required`."""
     if not path.is_dir():
-        raise InvalidRequest("model", f"a checkpoint folder ({path} is a file)", model)
-    if not (path / CONFIG_FILE).is_file():
-        raise InvalidRequest("model", f"a checkpoint folder holding {CONFIG_FILE} ({path} has none)", model)
+        raise InvalidRequest(field, f"a {kind} folder ({path} is a file)", word)
+    if not (path / required).is_file():
+        raise InvalidRequest(field, f"a {kind} folder holding {required} ({path} has none)", word)
     return path
 
 
@@ -93,16 +110,45 @@ def resolve_checkpoint_folder(model: str, *, revision: str | None = None) -> Pat
     neither a folder nor a hub id, a repo or revision the hub does not have (or gates), and, offline with
     no cached copy, `ModelNotAvailable` with the cache location.
     """
-    if not model:  # Path("") is the working directory: never what an empty --model meant
-        raise InvalidRequest("model", "a checkpoint folder or a Hugging Face hub id (not empty)", model)
-    path = Path(model).expanduser()
+    return _resolve(model, "model", "checkpoint", CONFIG_FILE, ALLOW_PATTERNS, revision, "revision")
+
+
+def resolve_tokenizer_folder(tokenizer: str, *, revision: str | None = None) -> Path:
+    """The local folder of a tokenizer given apart from the checkpoint (`--tokenizer`): an existing folder
+    holding tokenizer.json, or the cached snapshot of a hub id (only its tokenizer files, TOKENIZER_PATTERNS,
+    downloaded). Errors as `resolve_checkpoint_folder`'s, naming `tokenizer` and `tokenizer_revision`."""
+    return _resolve(
+        tokenizer,
+        "tokenizer",
+        "tokenizer",
+        TOKENIZER_FILE,
+        TOKENIZER_PATTERNS,
+        revision,
+        "tokenizer_revision",
+    )
+
+
+def _resolve(
+    word: str,
+    field: str,
+    kind: str,
+    required: str,
+    patterns: list[str],
+    revision: str | None,
+    revision_field: str,
+) -> Path:
+    """`word` as a local folder holding `required`, or a hub id's snapshot of `patterns` at `revision`;
+    errors name `field` (`revision_field` for a revision the hub does not have)."""
+    if not word:  # Path("") is the working directory: never what an empty --model meant
+        raise InvalidRequest(field, f"a {kind} folder or a Hugging Face hub id (not empty)", word)
+    path = Path(word).expanduser()
     if path.exists():
-        return _local_folder(path, model)
-    if _has_path_syntax(model):
-        raise InvalidRequest("model", "an existing checkpoint folder (no such folder)", model)
-    if not looks_like_hub_id(model):
+        return _local_folder(path, word, field, kind, required)
+    if _has_path_syntax(word):
+        raise InvalidRequest(field, f"an existing {kind} folder (no such folder)", word)
+    if not looks_like_hub_id(word):
         raise InvalidRequest(
-            "model", "an existing checkpoint folder or a Hugging Face hub id ('name' or 'org/name')", model
+            field, f"an existing {kind} folder or a Hugging Face hub id ('name' or 'org/name')", word
         )
 
     import huggingface_hub
@@ -112,17 +158,17 @@ def resolve_checkpoint_folder(model: str, *, revision: str | None = None) -> Pat
     cache_dir = constants.HF_HUB_CACHE
     offline = constants.HF_HUB_OFFLINE
     try:
-        folder = huggingface_hub.snapshot_download(model, revision=revision, allow_patterns=ALLOW_PATTERNS)
+        folder = huggingface_hub.snapshot_download(word, revision=revision, allow_patterns=patterns)
     except hub_errors.GatedRepoError as e:
         raise InvalidRequest(
-            "model", "a hub repo your token may read (it is gated: accept its terms and set HF_TOKEN)", model
+            field, "a hub repo your token may read (it is gated: accept its terms and set HF_TOKEN)", word
         ) from e
     except hub_errors.RepositoryNotFoundError as e:
         raise InvalidRequest(
-            "model", "an existing hub repo (not found, or private and HF_TOKEN cannot read it)", model
+            field, "an existing hub repo (not found, or private and HF_TOKEN cannot read it)", word
         ) from e
     except hub_errors.RevisionNotFoundError as e:
-        raise InvalidRequest("revision", f"a branch, tag or commit of {model} on the hub", revision) from e
+        raise InvalidRequest(revision_field, f"a branch, tag or commit of {word} on the hub", revision) from e
     except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, ConnectionError) as e:
         if offline:
             hub_state = "the hub could not be reached (offline: HF_HUB_OFFLINE is set)"
@@ -131,11 +177,11 @@ def resolve_checkpoint_folder(model: str, *, revision: str | None = None) -> Pat
         if revision is not None:
             hub_state += f" (revision {revision!r})"
         partial = getattr(e, "snapshot_path", None)  # IncompleteSnapshotError: a partial download
-        raise ModelNotAvailable(model, cache_dir, hub_state, partial) from e
+        raise ModelNotAvailable(word, cache_dir, hub_state, partial, field=field) from e
     except hub_errors.HFValidationError as e:
-        raise InvalidRequest("model", "a valid Hugging Face hub id", model) from e
+        raise InvalidRequest(field, "a valid Hugging Face hub id", word) from e
 
     folder = Path(folder)
-    if not (folder / CONFIG_FILE).is_file():
-        raise InvalidRequest("model", f"a hub repo with a {CONFIG_FILE} (none in {folder})", model)
+    if not (folder / required).is_file():
+        raise InvalidRequest(field, f"a hub repo with a {required} (none in {folder})", word)
     return folder

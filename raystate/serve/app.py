@@ -77,6 +77,9 @@ class AppArgs(_EngineFields):
     # text; read and compiled where the args are read, so the replicas get the text (no file on their
     # nodes) and a bad template fails the config, not the first chat request.
     chat_template: str | None = None
+    # Render a chat request's own `chat_template` in place of the server's (vLLM's
+    # --trust-request-chat-template); off: such a request is a 400, since a template runs in the replica.
+    trust_request_chat_template: bool = False
     # How the model writes tool calls in free text, for tool_choice "auto": "auto", the format its chat
     # template writes if raystate knows it; "hermes" (<tool_call> blocks: Qwen2.5, Qwen3, Hermes);
     # "llama3_json" (Llama 3.1-3.3's bare JSON calls); "none":
@@ -267,6 +270,7 @@ class OpenAIIngress:
         tool_call_parser: str = "auto",
         reasoning_parser: str = "none",
         chat_template: str | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         if require_api_key and not api_key:
@@ -282,6 +286,7 @@ class OpenAIIngress:
             tool_call_parser=parser,
             reasoning_parser=None if reasoning_parser == "none" else reasoning_parser,
             chat_template=chat_template,
+            trust_request_chat_template=trust_request_chat_template,
         )
         self._api_key = api_key
         self._max_body_bytes = max_body_bytes
@@ -387,4 +392,5 @@ def make_app(args: dict[str, Any] | AppArgs | None = None, client_factory: Clien
         opts.tool_call_parser,
         opts.reasoning_parser,
         opts.chat_template,
+        opts.trust_request_chat_template,
     )

@@ -53,6 +53,7 @@ MAX_USER_CHARS = 256  # `user`: an end-user id, kept by nobody here
 MAX_ERROR_CHARS = 1024  # an error's message and param (see error_body)
 MAX_PARAM_PART_CHARS = 64  # a client-made name (an unknown field) in an error's param (see field_path)
 MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs entries
+MAX_CHAT_TEMPLATE_CHARS = 1 << 17  # a request's own chat template (real ones are under 40k characters)
 MAX_DETOKENIZE_IDS = 1 << 17  # /detokenize ids (the body cap bounds them first)
 MAX_LOGPROBS = 20  # completions `logprobs`, chat `top_logprobs` (OpenAI's limit)
 # Choices of one request, all prompts together (n × the prompts of a completions prompt list): one
@@ -552,6 +553,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
+    # A template rendered in place of the server's: taken only from a server started with
+    # --trust-request-chat-template (a template runs in the replica: a costly one slows every request).
+    chat_template: str | None = Field(None, max_length=MAX_CHAT_TEMPLATE_CHARS)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -614,6 +618,7 @@ class TokenizeChatRequest(_Request):
     continue_final_message: bool = False
     add_special_tokens: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
+    chat_template: str | None = Field(None, max_length=MAX_CHAT_TEMPLATE_CHARS)  # as the chat route's
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)  # rendered as the chat route does
 
     @field_validator("chat_template_kwargs")

@@ -231,6 +231,7 @@ class RaystateServer:
         tool_call_parser: str | None = "auto",
         reasoning_parser: str | None = None,
         chat_template: str | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         """`model_name`: the id clients send as `model` and responses carry (default: the model's name).
         `text`: the model's tokenizer and generation defaults (default: those of the model
@@ -239,7 +240,10 @@ class RaystateServer:
         the format its chat template writes, if raystate knows it; None: tool_choice "auto" is refused.
         `reasoning_parser` (`raystate.serve.reasoning.REASONING_PARSERS`): the model's `<think>` text goes
         to `reasoning_content`; None: it stays in the content. `chat_template`: template text rendered in
-        place of the checkpoint's (`raystate.hf.chat_template.read_chat_template` reads a user's)."""
+        place of the checkpoint's (`raystate.hf.chat_template.read_chat_template` reads a user's).
+        `trust_request_chat_template`: a chat request's own `chat_template` is rendered in place of the
+        server's (else such a request is a 400: a template is code that runs here). Tool calls in free
+        text are still read in the format of the server's template (`tool_call_parser`)."""
         self.client = client
         config = client.config
         self.model_name = model_name or config.model.name
@@ -247,6 +251,7 @@ class RaystateServer:
         self.max_model_len = config.max_model_len  # the checkpoint's (or the max_model_len knob's)
         text = text if text is not None else model_text_for_config(config, self.model_name)
         self.text = text.with_chat_template(chat_template)
+        self.trust_request_chat_template = trust_request_chat_template
         self.tokenizer = self.text.tokenizer
         # generation_config.json's sampling fields, for requests that leave them out
         self.sampling_defaults = self.text.sampling_defaults()
@@ -303,8 +308,20 @@ class RaystateServer:
         # tool_choice "none": the model is not shown the tools (/tokenize has no tool_choice: shown)
         if req.tools and getattr(req, "tool_mode", "auto") != "none":
             tools = template_tools(req.tools)
+        model_text = self.text
+        if req.chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise InvalidRequest(
+                    "chat_template",
+                    "unset: this server renders its own chat template (start it with "
+                    "--trust-request-chat-template to take one from requests)",
+                    f"{len(req.chat_template)} characters",
+                )
+            from raystate.hf.chat_template import request_chat_template
+
+            model_text = model_text.with_chat_template(request_chat_template(req.chat_template))
         try:
-            text, ids = self.text.chat_prompt(
+            text, ids = model_text.chat_prompt(
                 messages,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,

@@ -180,9 +180,16 @@ class ModelText:
 
 def load_model_text(model: ResolvedModel, name: str | None = None) -> ModelText:
     """The text side of a resolved model: `load_tokenizer`'s tokenizer and, for a Hugging Face checkpoint,
-    the generation defaults of its folder."""
+    the generation defaults of its folder. A tokenizer given apart from the checkpoint must not make ids
+    past the model's vocabulary (its embedding has no row for them)."""
     tokenizer = load_tokenizer(model)
     is_hf = model.tokenizer != "byte"
+    if is_hf and model.tokenizer != model.path and len(tokenizer) > model.config.vocab_size:
+        raise InvalidRequest(
+            "tokenizer",
+            f"a tokenizer of at most {model.config.vocab_size} ids (the model's vocab_size)",
+            f"{model.tokenizer}: {len(tokenizer)} ids",
+        )
     defaults = GenerationDefaults()
     if is_hf and model.path is not None:
         defaults = load_generation_defaults(model.path)
@@ -192,7 +199,8 @@ def load_model_text(model: ResolvedModel, name: str | None = None) -> ModelText:
 def model_text_for_config(config: Any, name: str | None = None) -> ModelText:
     """The text side of the model an `EngineConfig` runs (a backend's `client.config`): the byte tokenizer
     for the reference architecture, else the tokenizer and generation defaults of `config.model_path`,
-    the checkpoint folder `resolve_model` found (on the machine that reads it)."""
+    the checkpoint folder `resolve_model` found (on the machine that reads it), with the tokenizer of
+    `config.tokenizer_path` where one was given apart."""
     model_config = config.model
     architecture = getattr(model_config, "architecture", REFERENCE_ARCHITECTURE)
     path = getattr(config, "model_path", None)
@@ -201,5 +209,6 @@ def model_text_for_config(config: Any, name: str | None = None) -> ModelText:
     elif path is None:
         raise InvalidRequest("model_path", "the checkpoint folder of a Hugging Face model", None)
     else:
-        resolved = ResolvedModel(model_config, path=path, tokenizer=path)
+        tokenizer = getattr(config, "tokenizer_path", None) or path
+        resolved = ResolvedModel(model_config, path=path, tokenizer=tokenizer)
     return load_model_text(resolved, name)

@@ -359,6 +359,56 @@ def test_a_byte_model_takes_no_chat_template():
         AsgiApp("tiny", chat_template=args.chat_template)
 
 
+def test_a_request_chat_template_needs_the_server_s_trust(qwen3_app, checkpoints):
+    """vLLM's request `chat_template`: refused (400 naming it) unless the server trusts request templates;
+    nothing is run for a refused request, and the next request is served."""
+    body = {"messages": SYSTEM_CHAT, "max_tokens": 2, "chat_template": PLAIN_TEMPLATE}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = qwen3_app.post(path, body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "chat_template"
+        assert "--trust-request-chat-template" in r.json()["error"]["message"]
+    r = qwen3_app.post("/v1/chat/completions", {"messages": SYSTEM_CHAT, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(hf_chat_ids(checkpoints["qwen3"], SYSTEM_CHAT))
+
+
+def test_a_trusted_request_chat_template_renders_for_that_request_only(checkpoints):
+    app = AsgiApp(checkpoints["qwen3"], trust_request_chat_template=True)
+    try:
+        tok = hf_tokenizer(checkpoints["qwen3"])
+        rendered = tok.apply_chat_template(
+            SYSTEM_CHAT, chat_template=PLAIN_TEMPLATE, add_generation_prompt=True, tokenize=False
+        )
+        want = tok.encode(rendered, add_special_tokens=False)
+        body = {"messages": SYSTEM_CHAT, "max_tokens": 2, "chat_template": PLAIN_TEMPLATE}
+        r = app.post("/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(want)
+        r = app.post("/tokenize", {"messages": SYSTEM_CHAT, "chat_template": PLAIN_TEMPLATE})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == want
+        # the next request without one renders the checkpoint's
+        r = app.post("/tokenize", {"messages": SYSTEM_CHAT})
+        assert r.json()["tokens"] == hf_chat_ids(checkpoints["qwen3"], SYSTEM_CHAT)
+        # a template that does not compile: a 400 naming it, with the line
+        bad = {"messages": SYSTEM_CHAT, "chat_template": "{% for m in messages %}\n{{ m }"}
+        r = app.post("/v1/chat/completions", bad)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "chat_template" and "line 2" in error["message"]
+    finally:
+        app.close()
+
+
+def test_a_request_chat_template_is_refused_for_a_byte_model():
+    app = AsgiApp("tiny", trust_request_chat_template=True)
+    try:
+        assert app.refused_param("/v1/chat/completions", {"chat_template": PLAIN_TEMPLATE}) == "chat_template"
+    finally:
+        app.close()
+
+
 def test_models_lists_the_served_name_and_the_checkpoint_max_model_len(qwen3_app, checkpoints):
     cfg = json.loads((checkpoints["qwen3"] / "config.json").read_text())
     cards = qwen3_app.get("/v1/models").json()["data"]

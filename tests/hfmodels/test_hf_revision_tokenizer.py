@@ -1,0 +1,161 @@
+"""`revision`, `tokenizer` and `tokenizer_revision`: a hub id at a branch, tag or commit, and a tokenizer
+given apart from the checkpoint (a folder, or a hub id), through `LLM`, the Serve app's config and
+`raystate serve`'s flags. The hub is offline and its cache private (`offline_hub`): a cached snapshot is
+what a download would have left."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import transformers
+from hf_families import make_family_checkpoint
+from huggingface_hub import constants
+from tokenizers import AddedToken, Tokenizer
+
+from raystate import LLM, SamplingParams
+from raystate.cli import _engine_args, build_parser
+from raystate.engine_args import EngineArgs, build_engine_config, resolve_model
+from raystate.errors import InvalidRequest
+from raystate.serve.text import model_text_for_config
+
+MAIN = "0" * 40
+V2 = "2" * 40
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES += ("chat_template.jinja",)
+CHAT = [{"role": "user", "content": "Hello world, café?"}]
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch) -> Path:
+    """An empty private HF cache with the hub offline; returns the hub cache folder."""
+    cache = tmp_path / "hf_home" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(cache.parent))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HOME", str(cache.parent))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def _cache_snapshot(cache: Path, repo_id: str, ref: str, commit: str, source: Path) -> Path:
+    """Puts the files of `source` into the hub cache as `repo_id` at `commit`, with `ref` naming it."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(source, snapshot)
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return make_family_checkpoint("llama", tmp_path_factory.mktemp("hf_rev") / "llama")
+
+
+@pytest.fixture(scope="module")
+def weights_only(llama, tmp_path_factory) -> Path:
+    """The llama checkpoint without its tokenizer files (as a repo that keeps them elsewhere)."""
+    folder = tmp_path_factory.mktemp("hf_rev") / "weights_only"
+    shutil.copytree(llama, folder)
+    for name in TOKENIZER_FILES:
+        (folder / name).unlink(missing_ok=True)
+    return folder
+
+
+def _with_max_len(source: Path, dest: Path, max_len: int) -> Path:
+    shutil.copytree(source, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": max_len}))
+    return dest
+
+
+def test_revision_picks_the_snapshot_of_a_hub_id(offline_hub, llama, tmp_path):
+    """main and the tag v2 hold checkpoints that differ in max_position_embeddings: the revision knob picks
+    one, from LLM-style kwargs and from `raystate serve --revision` alike."""
+    repo = "someorg/tiny-llama"
+    _cache_snapshot(offline_hub, repo, "main", MAIN, _with_max_len(llama, tmp_path / "a", 320))
+    _cache_snapshot(offline_hub, repo, "v2", V2, _with_max_len(llama, tmp_path / "b", 448))
+    assert build_engine_config(EngineArgs(model="someorg/tiny-llama")).max_model_len == 320
+    config = build_engine_config(EngineArgs(model="someorg/tiny-llama", revision="v2"))
+    assert config.max_model_len == 448 and V2 in config.model_path
+    flags = build_parser().parse_args(["serve", "--model", "someorg/tiny-llama", "--revision", V2])
+    assert build_engine_config(_engine_args(flags)).max_model_len == 448
+    with pytest.raises(InvalidRequest, match="revision 'v3'") as e:
+        resolve_model("someorg/tiny-llama", revision="v3")  # offline, not cached: says which revision
+    assert e.value.field == "model"
+
+
+def test_revision_is_refused_where_it_means_nothing(llama):
+    for model in ("tiny", str(llama)):
+        with pytest.raises(InvalidRequest, match="not a hub id") as e:
+            resolve_model(model, revision="v2")
+        assert e.value.field == "revision"
+
+
+def test_tokenizer_apart_from_the_checkpoint(llama, weights_only):
+    """A checkpoint without tokenizer files is refused naming tokenizer.json; with `tokenizer` it encodes,
+    decodes and renders chats with that tokenizer's files, in LLM and in the Serve app's text side."""
+    with pytest.raises(InvalidRequest, match="tokenizer.json"):
+        LLM(str(weights_only), backend="inprocess")
+    tok = transformers.AutoTokenizer.from_pretrained(str(llama))
+    llm = LLM(str(weights_only), tokenizer=str(llama), backend="inprocess", enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    (out,) = llm.generate(["Hello world, this is"], params, use_tqdm=False)
+    assert out.prompt_token_ids == tok("Hello world, this is")["input_ids"]
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+    (chat,) = llm.chat(CHAT, params, use_tqdm=False)
+    assert chat.prompt == tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    # the same weights with their own tokenizer: the same tokens
+    (own,) = LLM(str(llama), backend="inprocess", enable_prefix_caching=False).generate(
+        ["Hello world, this is"], params, use_tqdm=False
+    )
+    assert own.token_ids == out.token_ids
+
+    config = build_engine_config(EngineArgs(model=str(weights_only), tokenizer=str(llama)))
+    assert config.model_path == str(weights_only) and config.tokenizer_path == str(llama)
+    text = model_text_for_config(config)  # what the Serve ingress builds from the backend's config
+    assert text.encode("café naïve") == tok("café naïve")["input_ids"]
+    assert text.chat_prompt(CHAT)[0] == chat.prompt
+    assert build_engine_config(EngineArgs(model=str(llama))).tokenizer_path is None  # its own
+
+
+def test_tokenizer_from_the_hub_at_a_revision(offline_hub, llama, weights_only):
+    _cache_snapshot(offline_hub, "someorg/tok", "v1", V2, llama)
+    llm_args = EngineArgs(model=str(weights_only), tokenizer="someorg/tok", tokenizer_revision="v1")
+    config = build_engine_config(llm_args)
+    assert V2 in config.tokenizer_path
+    tok = transformers.AutoTokenizer.from_pretrained(str(llama))
+    assert model_text_for_config(config).encode("Hello") == tok("Hello")["input_ids"]
+    with pytest.raises(InvalidRequest, match="offline") as e:
+        resolve_model(str(weights_only), tokenizer="someorg/tok")  # main is not cached
+    assert e.value.field == "tokenizer"
+
+
+def test_tokenizer_errors_name_the_field(llama, weights_only, tmp_path):
+    with pytest.raises(InvalidRequest, match="reads bytes") as e:
+        resolve_model("tiny", tokenizer=str(llama))
+    assert e.value.field == "tokenizer"
+    with pytest.raises(InvalidRequest, match="holding tokenizer.json") as e:
+        resolve_model(str(llama), tokenizer=str(weights_only))
+    assert e.value.field == "tokenizer"
+    with pytest.raises(InvalidRequest, match="not a hub id") as e:
+        resolve_model(str(llama), tokenizer=str(llama), tokenizer_revision="v1")
+    assert e.value.field == "tokenizer_revision"
+    with pytest.raises(InvalidRequest, match="no tokenizer is given") as e:
+        resolve_model(str(llama), tokenizer_revision="v1")
+    assert e.value.field == "tokenizer_revision"
+    # a tokenizer with ids past the model's vocabulary (its embedding has no row for them)
+    big = tmp_path / "big_tokenizer"
+    big.mkdir()
+    backend = Tokenizer.from_file(str(llama / "tokenizer.json"))
+    backend.add_tokens([AddedToken(f"<extra_{i}>") for i in range(3)])
+    backend.save(str(big / "tokenizer.json"))
+    vocab = json.loads((llama / "config.json").read_text())["vocab_size"]
+    with pytest.raises(InvalidRequest, match=f"at most {vocab} ids") as e:
+        LLM(str(weights_only), tokenizer=str(big), backend="inprocess")
+    assert e.value.field == "tokenizer"
