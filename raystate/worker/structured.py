@@ -77,11 +77,12 @@ def grammar_tokenizer(config) -> Any:
         return llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(vocab), n_vocab=model.vocab_size, eos_token=eos
         )
-    if config.model_path is None:
+    folder = config.tokenizer_path or config.model_path  # a tokenizer given apart, or its own
+    if folder is None:
         raise ValueError("structured output: a Hugging Face model needs model_path (its tokenizer.json)")
     from raystate.hf import HFTokenizer
 
-    backend = HFTokenizer.from_pretrained(config.model_path).backend
+    backend = HFTokenizer.from_pretrained(folder).backend
     n_vocab = max(model.vocab_size, backend.get_vocab_size(with_added_tokens=True))
     return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
 

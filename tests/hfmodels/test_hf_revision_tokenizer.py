@@ -124,6 +124,17 @@ def test_tokenizer_apart_from_the_checkpoint(llama, weights_only):
     assert build_engine_config(EngineArgs(model=str(llama))).tokenizer_path is None  # its own
 
 
+def test_structured_output_compiles_against_the_given_tokenizer(llama, weights_only):
+    """The worker's grammar is built from the tokenizer given apart (the checkpoint has none)."""
+    schema = {"type": "object", "properties": {"a": {"enum": ["yes", "no"]}}, "required": ["a"]}
+    schema["additionalProperties"] = False
+    llm = LLM(str(weights_only), tokenizer=str(llama), backend="inprocess", enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=48, json_schema=json.dumps(schema))
+    (out,) = llm.generate(["Is it?"], params, use_tqdm=False)
+    assert out.finish_reason == "stop", (out.finish_reason, out.error, out.text)
+    assert json.loads(out.text) in ({"a": "yes"}, {"a": "no"})
+
+
 def test_tokenizer_from_the_hub_at_a_revision(offline_hub, llama, weights_only):
     _cache_snapshot(offline_hub, "someorg/tok", "v1", V2, llama)
     llm_args = EngineArgs(model=str(weights_only), tokenizer="someorg/tok", tokenizer_revision="v1")
