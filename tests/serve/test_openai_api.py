@@ -68,7 +68,7 @@ def test_token_id_prompt_is_used_as_given(open_app, reference):
 
 def test_streamed_completion_sends_each_token_as_it_exists(open_app, reference):
     prompt = "A3 streamed"
-    max_tokens = 48
+    max_tokens = 96
     t0 = time.perf_counter()
     stream = _client(open_app).completions.create(
         model=MODEL,
@@ -92,9 +92,12 @@ def test_streamed_completion_sends_each_token_as_it_exists(open_app, reference):
     ref_ids, ref_text, _ = reference([prompt], max_tokens, ignore_eos=True)[0]
     assert token_ids == ref_ids and text == ref_text
     # A chunk per token, or per the tokens already waiting when the server fell behind (never held
-    # back to batch): every chunk carries a token, and the first left long before the last existed.
+    # back to batch): every chunk carries a token, and the chunks arrive spread over the decode steps
+    # rather than together at the end. The spread is 95 decode steps (measured ~5.6 ms each for `tiny`
+    # on an idle 2-core CPU: ~0.5 s; more under load), against a few ms for chunks sent together. (Not
+    # the first arrival against the last: time to the first token grows with load, so that ratio flaked.)
     assert min(sizes) >= 1 and len(arrivals) > 1
-    assert arrivals[0] < 0.5 * arrivals[-1]
+    assert arrivals[-1] - arrivals[0] > 0.05
     assert reasons == [None] * (len(arrivals) - 1) + ["length"]
     assert usage is not None and usage.completion_tokens == max_tokens
 
