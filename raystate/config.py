@@ -335,6 +335,9 @@ class EngineConfig:
     model_path: str | None = None  # a save_pretrained directory; None: seeded weights of `model`
     # A tokenizer folder given apart from the checkpoint (`tokenizer`); None: the checkpoint's own.
     tokenizer_path: str | None = None
+    # Where requests' default sampling fields come from: "auto" (model_path's generation_config.json),
+    # "vllm" (none), or a folder holding a generation_config.json.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         _check(

@@ -41,6 +41,9 @@ class ResolvedModel:
     # checkpoint's own, or the one given as `tokenizer`)
     tokenizer: str = "byte"
     dtype: str | None = None  # the checkpoint's own dtype (what dtype="auto" takes on CUDA); None: unknown
+    # Where requests' default sampling fields come from: "auto" (the checkpoint folder's
+    # generation_config.json), "vllm" (none: OpenAI's defaults) or a folder holding one.
+    generation_config: str = "auto"
 
     @property
     def is_hf(self) -> bool:
@@ -54,6 +57,7 @@ def resolve_model(
     revision: str | None = None,
     tokenizer: str | None = None,
     tokenizer_revision: str | None = None,
+    generation_config: str = "auto",
 ) -> ResolvedModel:
     """A model word -> its ModelConfig, weights path and tokenizer choice: a named config ("tiny",
     "bench"), a folder holding a config.json (a Hugging Face checkpoint, or one of our own saves), or a
@@ -61,8 +65,10 @@ def resolve_model(
 
     The one place a `--model` / `model=` is interpreted. `max_model_len` replaces the model's own limit.
     `tokenizer` (a folder or hub id, at `tokenizer_revision`) replaces a checkpoint's own tokenizer and
-    chat template. A revision only means something for a hub id: given for anything else it is refused,
-    as is a tokenizer for a model that reads bytes.
+    chat template. `generation_config` (vLLM's words: "auto", the checkpoint's; "vllm", none; or a
+    folder holding a generation_config.json) picks where default sampling fields and EOS ids come from.
+    A revision only means something for a hub id: given for anything else it is refused, as are a
+    tokenizer and a generation config for a model that reads bytes.
     """
     if model in NAMED_MODELS:
         resolved = ResolvedModel(ModelConfig.named(model))
@@ -105,11 +111,36 @@ def resolve_model(
         resolved = dataclasses.replace(resolved, tokenizer=str(folder))
     elif tokenizer_revision is not None:
         raise InvalidRequest("tokenizer_revision", "unset: no tokenizer is given", tokenizer_revision)
+    if generation_config != "auto":
+        resolved = _with_generation_config(resolved, model, generation_config)
     if max_model_len is not None:
         resolved = dataclasses.replace(
             resolved, config=dataclasses.replace(resolved.config, max_model_len=max_model_len)
         )
     return resolved
+
+
+def _with_generation_config(resolved: ResolvedModel, model: str, generation_config: str) -> ResolvedModel:
+    """`resolved` with its sampling defaults from `generation_config` ("vllm": none; a folder: its
+    generation_config.json, whose EOS ids then replace the checkpoint file's)."""
+    if resolved.tokenizer == "byte":
+        raise InvalidRequest(
+            "generation_config", f"auto: model {model!r} has no generation_config.json", generation_config
+        )
+    if generation_config == "vllm":  # EOS ids stay the checkpoint's, as in vLLM
+        return dataclasses.replace(resolved, generation_config="vllm")
+    from raystate.hf.generation_config import GENERATION_CONFIG_FILE
+
+    folder = os.path.abspath(os.path.expanduser(generation_config))
+    if not os.path.isfile(os.path.join(folder, GENERATION_CONFIG_FILE)):
+        raise InvalidRequest(
+            "generation_config",
+            f"auto, vllm or a folder holding {GENERATION_CONFIG_FILE} ({folder} has none)",
+            generation_config,
+        )
+    # config.json read again, for its own EOS ids without the checkpoint file's
+    again = _resolve_folder(resolved.path, name=resolved.config.name, generation_folder=folder)
+    return dataclasses.replace(resolved, config=again.config, generation_config=folder)
 
 
 def resolve_engine_model(args: EngineArgs) -> ResolvedModel:
@@ -119,10 +150,13 @@ def resolve_engine_model(args: EngineArgs) -> ResolvedModel:
         revision=args.revision,
         tokenizer=args.tokenizer,
         tokenizer_revision=args.tokenizer_revision,
+        generation_config=args.generation_config,
     )
 
 
-def _resolve_folder(folder: str, name: str | None = None) -> ResolvedModel:
+def _resolve_folder(
+    folder: str, name: str | None = None, generation_folder: str | None = None
+) -> ResolvedModel:
     with open(os.path.join(folder, MODEL_CONFIG_FILE)) as f:
         cfg = json.load(f)
     from raystate.hf.model_config import config_dtype, is_hf_config, model_config_from_hf
@@ -133,9 +167,9 @@ def _resolve_folder(folder: str, name: str | None = None) -> ResolvedModel:
 
     config = model_config_from_hf(cfg, name=name or os.path.basename(os.path.normpath(folder)))
     # Every id that ends a sequence: config.json's, then generation_config.json's (Llama 3 and Gemma 3
-    # list several there).
+    # list several there); that file is the checkpoint's unless another folder's is given.
     eos = [i for i in config.eos_token_ids if i >= 0]
-    eos += [i for i in load_generation_defaults(folder).eos_token_ids if i not in eos]
+    eos += [i for i in load_generation_defaults(generation_folder or folder).eos_token_ids if i not in eos]
     if eos:
         config = dataclasses.replace(config, eos_token_id=eos[0], extra_eos_token_ids=tuple(eos[1:]))
     return ResolvedModel(config, path=folder, tokenizer=folder, dtype=config_dtype(cfg))
@@ -177,6 +211,12 @@ class EngineArgs:
     )
     tokenizer_revision: str | None = _knob(
         None, "the branch, tag or commit of a tokenizer given as a hub id (default: the hub's main)"
+    )
+    generation_config: str = _knob(
+        "auto",
+        "where requests' default sampling fields come from: auto (the checkpoint's generation_config.json), "
+        "vllm (none of it: OpenAI's defaults; its EOS ids still end requests) or a folder holding a "
+        "generation_config.json (its defaults and EOS ids)",
     )
     max_model_len: int | None = _knob(
         None, "longest request (prompt + output) in tokens (default: the model's)"
@@ -283,4 +323,5 @@ def build_engine_config(args: EngineArgs, model: ResolvedModel | None = None) ->
         async_scheduling=args.async_scheduling,
         model_path=model.path,
         tokenizer_path=model.tokenizer if model.tokenizer not in ("byte", model.path) else None,
+        generation_config=model.generation_config,
     )

@@ -191,8 +191,9 @@ def load_model_text(model: ResolvedModel, name: str | None = None) -> ModelText:
             f"{model.tokenizer}: {len(tokenizer)} ids",
         )
     defaults = GenerationDefaults()
-    if is_hf and model.path is not None:
-        defaults = load_generation_defaults(model.path)
+    folder = model.path if model.generation_config == "auto" else model.generation_config
+    if is_hf and folder is not None and folder != "vllm":
+        defaults = load_generation_defaults(folder)
     return ModelText(tokenizer, is_hf, defaults, name or model.config.name)
 
 
@@ -210,5 +211,6 @@ def model_text_for_config(config: Any, name: str | None = None) -> ModelText:
         raise InvalidRequest("model_path", "the checkpoint folder of a Hugging Face model", None)
     else:
         tokenizer = getattr(config, "tokenizer_path", None) or path
-        resolved = ResolvedModel(model_config, path=path, tokenizer=tokenizer)
+        generation = getattr(config, "generation_config", "auto")
+        resolved = ResolvedModel(model_config, path=path, tokenizer=tokenizer, generation_config=generation)
     return load_model_text(resolved, name)

@@ -1,7 +1,8 @@
-"""`revision`, `tokenizer` and `tokenizer_revision`: a hub id at a branch, tag or commit, and a tokenizer
-given apart from the checkpoint (a folder, or a hub id), through `LLM`, the Serve app's config and
-`raystate serve`'s flags. The hub is offline and its cache private (`offline_hub`): a cached snapshot is
-what a download would have left."""
+"""`revision`, `tokenizer`, `tokenizer_revision` and `generation_config`: a hub id at a branch, tag or
+commit, a tokenizer given apart from the checkpoint (a folder, or a hub id), and the default sampling
+fields taken from the checkpoint, from nowhere or from another folder, through `LLM`, the Serve app's
+config and `raystate serve`'s flags. The hub is offline and its cache private (`offline_hub`): a cached
+snapshot is what a download would have left."""
 
 from __future__ import annotations
 
@@ -170,3 +171,56 @@ def test_tokenizer_errors_name_the_field(llama, weights_only, tmp_path):
     with pytest.raises(InvalidRequest, match=f"at most {vocab} ids") as e:
         LLM(str(weights_only), tokenizer=str(big), backend="inprocess")
     assert e.value.field == "tokenizer"
+
+
+def _eos_ids(llama: Path) -> tuple[list[int], list[int]]:
+    """(config.json's EOS ids, generation_config.json's) of the llama checkpoint."""
+
+    def ids(v):
+        return v if isinstance(v, list) else [v]
+
+    config = json.loads((llama / "config.json").read_text())
+    generation = json.loads((llama / "generation_config.json").read_text())
+    return ids(config["eos_token_id"]), ids(generation["eos_token_id"])
+
+
+def test_generation_config_vllm_drops_the_checkpoint_defaults_but_not_its_eos(llama):
+    """vLLM's `--generation-config vllm`: requests that leave a field out get OpenAI's default, not the
+    checkpoint's (llama's file sets temperature 0.6, top_p 0.9); its EOS ids still end requests."""
+    auto = LLM(str(llama), backend="inprocess")
+    assert auto.get_default_sampling_params().temperature == 0.6
+    plain = LLM(str(llama), backend="inprocess", generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()
+    assert plain.config.model.eos_token_ids == auto.config.model.eos_token_ids
+    assert len(auto.config.model.eos_token_ids) == 2  # <|end_of_text|> and <|eot_id|>
+    flags = build_parser().parse_args(["serve", "--model", str(llama), "--generation-config", "vllm"])
+    config = build_engine_config(_engine_args(flags))
+    assert config.generation_config == "vllm"
+    assert model_text_for_config(config).sampling_defaults() == {}  # what the Serve ingress applies
+
+
+def test_generation_config_from_another_folder(llama, tmp_path):
+    """A folder's generation_config.json gives the defaults and the EOS ids in place of the checkpoint's."""
+    config_eos, file_eos = _eos_ids(llama)
+    other = tmp_path / "gen"
+    other.mkdir()
+    extra = max(config_eos + file_eos) + 1
+    (other / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.3, "top_k": 7, "eos_token_id": [config_eos[0], extra]})
+    )
+    llm = LLM(str(llama), backend="inprocess", generation_config=str(other))
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.3, 7, 1.0)
+    assert list(llm.config.model.eos_token_ids) == [*config_eos, extra]
+    config = build_engine_config(EngineArgs(model=str(llama), generation_config=str(other)))
+    assert config.generation_config == str(other)
+    assert model_text_for_config(config).sampling_defaults() == {"temperature": 0.3, "top_k": 7}
+
+
+def test_generation_config_errors_name_the_field(llama, tmp_path):
+    with pytest.raises(InvalidRequest, match="has no generation_config.json") as e:
+        resolve_model("tiny", generation_config="vllm")
+    assert e.value.field == "generation_config"
+    with pytest.raises(InvalidRequest, match="auto, vllm or a folder holding generation_config.json") as e:
+        resolve_model(str(llama), generation_config=str(tmp_path))
+    assert e.value.field == "generation_config"
