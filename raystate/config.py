@@ -338,6 +338,10 @@ class EngineConfig:
     # Where requests' default sampling fields come from: "auto" (model_path's generation_config.json),
     # "vllm" (none), or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # "org/name@commit" where model_path / tokenizer_path is a hub snapshot, so that a node without
+    # that folder fetches its own copy (raystate.engine_args.with_local_checkpoint).
+    model_hub: str | None = None
+    tokenizer_hub: str | None = None
 
     def __post_init__(self) -> None:
         _check(

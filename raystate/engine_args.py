@@ -44,6 +44,9 @@ class ResolvedModel:
     # Where requests' default sampling fields come from: "auto" (the checkpoint folder's
     # generation_config.json), "vllm" (none: OpenAI's defaults) or a folder holding one.
     generation_config: str = "auto"
+    # "org/name@commit" where `path` / `tokenizer` is a hub snapshot: how another node finds its own copy.
+    hub: str | None = None
+    tokenizer_hub: str | None = None
 
     @property
     def is_hf(self) -> bool:
@@ -91,6 +94,7 @@ def resolve_model(
             )
         folder = resolve_checkpoint_folder(model, revision=revision)
         resolved = _resolve_folder(str(folder), name=model)
+        resolved = dataclasses.replace(resolved, hub=f"{model}@{folder.name}")  # snapshots/<commit>
         revision = None  # used
     if revision is not None:
         raise InvalidRequest("revision", f"unset: model {model!r} is not a hub id", revision)
@@ -108,7 +112,8 @@ def resolve_model(
                 "tokenizer_revision", f"unset: tokenizer {tokenizer!r} is not a hub id", tokenizer_revision
             )
         folder = resolve_tokenizer_folder(tokenizer, revision=tokenizer_revision)
-        resolved = dataclasses.replace(resolved, tokenizer=str(folder))
+        hub = None if os.path.exists(tokenizer) else f"{tokenizer}@{folder.name}"
+        resolved = dataclasses.replace(resolved, tokenizer=str(folder), tokenizer_hub=hub)
     elif tokenizer_revision is not None:
         raise InvalidRequest("tokenizer_revision", "unset: no tokenizer is given", tokenizer_revision)
     if generation_config != "auto":
@@ -324,4 +329,26 @@ def build_engine_config(args: EngineArgs, model: ResolvedModel | None = None) ->
         model_path=model.path,
         tokenizer_path=model.tokenizer if model.tokenizer not in ("byte", model.path) else None,
         generation_config=model.generation_config,
+        model_hub=model.hub,
+        tokenizer_hub=model.tokenizer_hub if model.tokenizer != model.path else None,
     )
+
+
+def with_local_checkpoint(config: EngineConfig) -> EngineConfig:
+    """`config` with its checkpoint and tokenizer folders on this node: a hub snapshot that the node
+    which resolved the model has and this one lacks (a worker or replica on another node of the cluster)
+    is found in, or downloaded into, this node's hub cache at the same commit. Folders the user gave are
+    taken as they are (they must be on every node, as vLLM requires)."""
+    changes = {}
+    for field_name, hub_name, resolve in (
+        ("model_path", "model_hub", "resolve_checkpoint_folder"),
+        ("tokenizer_path", "tokenizer_hub", "resolve_tokenizer_folder"),
+    ):
+        path, hub = getattr(config, field_name), getattr(config, hub_name)
+        if path is None or hub is None or os.path.isdir(path):
+            continue
+        from raystate.hf import hub as hf_hub
+
+        repo, commit = hub.rsplit("@", 1)
+        changes[field_name] = str(getattr(hf_hub, resolve)(repo, revision=commit))
+    return dataclasses.replace(config, **changes) if changes else config

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from raystate.engine_args import ResolvedModel, load_tokenizer
+from raystate.engine_args import ResolvedModel, load_tokenizer, with_local_checkpoint
 from raystate.errors import InvalidRequest
 from raystate.hf.generation_config import GenerationDefaults, load_generation_defaults
 from raystate.messages import SamplingParams
@@ -201,7 +201,10 @@ def model_text_for_config(config: Any, name: str | None = None) -> ModelText:
     """The text side of the model an `EngineConfig` runs (a backend's `client.config`): the byte tokenizer
     for the reference architecture, else the tokenizer and generation defaults of `config.model_path`,
     the checkpoint folder `resolve_model` found (on the machine that reads it), with the tokenizer of
-    `config.tokenizer_path` where one was given apart."""
+    `config.tokenizer_path` where one was given apart. A hub snapshot resolved on another node (this
+    replica's node lacks it) is this node's copy (`with_local_checkpoint`)."""
+    if getattr(config, "model_hub", None) or getattr(config, "tokenizer_hub", None):
+        config = with_local_checkpoint(config)
     model_config = config.model
     architecture = getattr(model_config, "architecture", REFERENCE_ARCHITECTURE)
     path = getattr(config, "model_path", None)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from raystate.config import EngineConfig
+from raystate.engine_args import with_local_checkpoint
 from raystate.errors import InvalidRequest
 from raystate.kernels.token_history import write_token_ids
 from raystate.messages import FAILED_ROW, NewRequest, StepMessage, StepResult, bytes_to_ids, ids_to_bytes
@@ -65,6 +66,8 @@ class PendingStep:
 
 class Worker:
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
+        # a hub checkpoint resolved on another node: this node's copy (fetched if it has none)
+        config = with_local_checkpoint(config) if model is None else config
         self.config = config
         self.device = torch.device(config.device)
         dtype = resolve_dtype(config)

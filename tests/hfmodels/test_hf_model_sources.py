@@ -224,3 +224,40 @@ def test_generation_config_errors_name_the_field(llama, tmp_path):
     with pytest.raises(InvalidRequest, match="auto, vllm or a folder holding generation_config.json") as e:
         resolve_model(str(llama), generation_config=str(tmp_path))
     assert e.value.field == "generation_config"
+
+
+def test_a_node_without_the_hub_snapshot_finds_its_own_copy(
+    offline_hub, llama, weights_only, tmp_path, monkeypatch
+):
+    """The config carries where a hub snapshot came from ("org/name@commit"), so a worker or replica on a
+    node where the resolving node's folder does not exist takes (or downloads) its own copy at the same
+    commit; a node whose cache lacks it too (and is offline) says so, naming the model."""
+    import dataclasses
+
+    from raystate.engine_args import with_local_checkpoint
+    from raystate.worker.worker import Worker
+
+    _cache_snapshot(offline_hub, "someorg/tiny-llama", "main", MAIN, weights_only)
+    _cache_snapshot(offline_hub, "someorg/tok", "main", V2, llama)
+    args = EngineArgs(model="someorg/tiny-llama", tokenizer="someorg/tok", enable_prefix_caching=False)
+    config = build_engine_config(args)
+    assert config.model_hub == f"someorg/tiny-llama@{MAIN}" and config.tokenizer_hub == f"someorg/tok@{V2}"
+    assert with_local_checkpoint(config) is config  # the folders exist here: nothing to do
+    elsewhere = dataclasses.replace(
+        config, model_path=f"/other/node/snapshots/{MAIN}", tokenizer_path=f"/other/node/snapshots/{V2}"
+    )
+    local = with_local_checkpoint(elsewhere)
+    assert (local.model_path, local.tokenizer_path) == (config.model_path, config.tokenizer_path)
+    worker = Worker(elsewhere)  # loads the weights from this node's copy
+    assert worker.config.model_path == config.model_path
+    tok = transformers.AutoTokenizer.from_pretrained(str(llama))
+    assert model_text_for_config(elsewhere).encode("Hello") == tok("Hello")["input_ids"]
+    # a local folder is taken as given (the user's folder must be on every node)
+    assert build_engine_config(EngineArgs(model=str(llama))).model_hub is None
+
+    empty = tmp_path / "other_cache"
+    empty.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(empty))
+    with pytest.raises(InvalidRequest, match="someorg/tiny-llama") as e:
+        with_local_checkpoint(elsewhere)
+    assert e.value.field == "model"
