@@ -29,6 +29,8 @@ Backend = Literal["ray", "inprocess"]
 BACKENDS: tuple[str, ...] = typing.get_args(Backend)
 
 MODEL_CONFIG_FILE = "config.json"  # what makes a directory a save_pretrained model (raystate.model.weights)
+# Set to 1 to serve a checkpoint past its max_position_embeddings (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN).
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "RAYSTATE_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 @dataclass(frozen=True)
@@ -301,6 +303,20 @@ def build_engine_config(args: EngineArgs, model: ResolvedModel | None = None) ->
         model = resolve_engine_model(args)
     model_config = model.config
     if args.max_model_len is not None:
+        longest = model_config.max_model_len
+        if (
+            model.is_hf
+            and isinstance(args.max_model_len, int)
+            and args.max_model_len > longest
+            and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV) != "1"
+        ):
+            # positions past what the model was trained (and its rope scaled) for give wrong outputs
+            raise InvalidRequest(
+                "max_model_len",
+                f"<= {longest}, the checkpoint's max_position_embeddings (set "
+                f"{ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to go past it)",
+                args.max_model_len,
+            )
         model_config = dataclasses.replace(model_config, max_model_len=args.max_model_len)
     dtype = args.dtype
     if dtype == "auto" and model.dtype in ("bfloat16", "float16") and args.device != "cpu":

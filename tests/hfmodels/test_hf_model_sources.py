@@ -261,3 +261,17 @@ def test_a_node_without_the_hub_snapshot_finds_its_own_copy(
     with pytest.raises(InvalidRequest, match="someorg/tiny-llama") as e:
         with_local_checkpoint(elsewhere)
     assert e.value.field == "model"
+
+
+def test_max_model_len_past_the_checkpoint_s_positions_needs_the_env(llama, monkeypatch):
+    """As vLLM: a longer max_model_len than max_position_embeddings (4096 here) would run positions the
+    model was not trained for, so it is refused by name unless RAYSTATE_ALLOW_LONG_MAX_MODEL_LEN=1."""
+    assert build_engine_config(EngineArgs(model=str(llama), max_model_len=4096)).max_model_len == 4096
+    with pytest.raises(InvalidRequest, match="<= 4096, the checkpoint's max_position_embeddings") as e:
+        build_engine_config(EngineArgs(model=str(llama), max_model_len=8192))
+    assert e.value.field == "max_model_len"
+    monkeypatch.setenv("RAYSTATE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert build_engine_config(EngineArgs(model=str(llama), max_model_len=8192)).max_model_len == 8192
+    monkeypatch.delenv("RAYSTATE_ALLOW_LONG_MAX_MODEL_LEN")
+    longer = 2 * build_engine_config(EngineArgs(model="tiny")).max_model_len  # our models: no such limit
+    assert build_engine_config(EngineArgs(max_model_len=longer)).max_model_len == longer
