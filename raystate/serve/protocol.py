@@ -797,6 +797,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "raystate"
+    # vLLM's: the model behind the served name (a hub id, a checkpoint folder or a named model) and the
+    # model this one derives from (none: raystate serves no adapters).
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
 
 

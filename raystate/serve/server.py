@@ -249,6 +249,10 @@ class RaystateServer:
         self.model_name = model_name or config.model.name
         self.vocab_size = config.model.vocab_size
         self.max_model_len = config.max_model_len  # the checkpoint's (or the max_model_len knob's)
+        # /v1/models' root: the hub id (without its commit), else the checkpoint folder, else the model name
+        hub = getattr(config, "model_hub", None)
+        folder = getattr(config, "model_path", None)
+        self.model_root = hub.rsplit("@", 1)[0] if hub else folder or config.model.name
         text = text if text is not None else model_text_for_config(config, self.model_name)
         self.text = text.with_chat_template(chat_template)
         self.trust_request_chat_template = trust_request_chat_template
@@ -770,7 +774,8 @@ class RaystateServer:
         return out, offset
 
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+        card = ModelCard(id=self.model_name, root=self.model_root, max_model_len=self.max_model_len)
+        return ModelList(data=[card])
 
     def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         """vLLM's /tokenize: a prompt's ids as /v1/completions makes them (`add_special_tokens`, default

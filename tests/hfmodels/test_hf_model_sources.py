@@ -84,6 +84,12 @@ def test_revision_picks_the_snapshot_of_a_hub_id(offline_hub, llama, tmp_path):
     assert build_engine_config(EngineArgs(model="someorg/tiny-llama")).max_model_len == 320
     config = build_engine_config(EngineArgs(model="someorg/tiny-llama", revision="v2"))
     assert config.max_model_len == 448 and V2 in config.model_path
+    from types import SimpleNamespace
+
+    from raystate.serve.server import RaystateServer
+
+    (card,) = RaystateServer(SimpleNamespace(config=config)).models().data  # vLLM's root: the hub id
+    assert (card.id, card.root, card.max_model_len) == ("someorg/tiny-llama", "someorg/tiny-llama", 448)
     flags = build_parser().parse_args(["serve", "--model", "someorg/tiny-llama", "--revision", V2])
     assert build_engine_config(_engine_args(flags)).max_model_len == 448
     with pytest.raises(InvalidRequest, match="revision 'v3'") as e:

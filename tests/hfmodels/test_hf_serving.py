@@ -413,6 +413,7 @@ def test_models_lists_the_served_name_and_the_checkpoint_max_model_len(qwen3_app
     cfg = json.loads((checkpoints["qwen3"] / "config.json").read_text())
     cards = qwen3_app.get("/v1/models").json()["data"]
     assert [(c["id"], c["max_model_len"]) for c in cards] == [("tiny-qwen3", cfg["max_position_embeddings"])]
+    assert cards[0]["root"] == str(checkpoints["qwen3"]) and cards[0]["parent"] is None  # as vLLM's
     r = qwen3_app.post("/v1/completions", {"prompt": "Hi", "max_tokens": 10**6})
     assert r.status_code == 400
     assert f"max_model_len={cfg['max_position_embeddings']}" in r.json()["error"]["message"]
