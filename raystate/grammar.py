@@ -1,4 +1,5 @@
-"""The grammars of structured output (`SamplingParams.json_schema` / `json_object`), through llguidance.
+"""The grammars of structured output (`SamplingParams.json_schema` / `json_object` / `regex` / `choice` /
+`grammar`), through llguidance.
 
 Torch-free, so the serving layer can check a schema before a request reaches the engine (a 400 naming
 `response_format`); the worker (`raystate.worker.structured`) compiles the same grammar text against the
@@ -27,6 +28,37 @@ def grammar_of(json_schema: str | None) -> str:
 
     schema = json_schema if json_schema is not None else JSON_OBJECT_SCHEMA
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+
+
+def choice_grammar(choice: list[str]) -> str:
+    """A Lark grammar whose whole output is one of the strings (JSON-quoted literals: any text, escaped)."""
+    return "start: " + " | ".join(json.dumps(c) if c else '""' for c in choice)
+
+
+def grammar_for(params) -> str:
+    """llguidance's grammar text for the structured-output field a SamplingParams sets."""
+    import llguidance
+
+    if params.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if params.choice is not None:
+        return llguidance.LLMatcher.grammar_from_lark(choice_grammar(params.choice))
+    if params.grammar is not None:
+        return llguidance.LLMatcher.grammar_from_lark(params.grammar)
+    return grammar_of(params.json_schema)
+
+
+def check_grammar(params) -> str | None:
+    """Why llguidance refuses the grammar of a SamplingParams' structured-output field, or None when it
+    compiles. Needs no tokenizer."""
+    import llguidance
+
+    try:
+        grammar = grammar_for(params)
+    except (ValueError, RecursionError) as e:
+        return first_line(str(e))
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return first_line(messages[0] if messages else None) if is_error else None
 
 
 def check_schema(json_schema: str) -> str | None:

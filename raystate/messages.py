@@ -69,10 +69,16 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     # Structured output (raystate/worker/structured.py): the output must be JSON that `json_schema` (a JSON
-    # Schema, as JSON text) accepts, or with `json_object` any JSON object. The worker masks every token
-    # the grammar does not allow (EOS only once the JSON is complete); at most one of the two is set.
+    # Schema, as JSON text) accepts, or with `json_object` any JSON object; or match `regex` (a regular
+    # expression over the whole output, in the Rust regex dialect); or be exactly one of the `choice`
+    # strings; or match `grammar` (a Lark grammar, llguidance's dialect, whose rule `start` is the whole
+    # output). The worker masks every token the grammar does not allow (EOS only once the output is
+    # complete); at most one of the five is set.
     json_schema: str | None = None
     json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
     # Choices per prompt. The front ends (LLM, the OpenAI server) submit n > 1 as n requests of n = 1
     # (`raystate.fanout.child_requests`), the later ones forked from the first (they share its prompt
     # KV); the engine itself takes n = 1 only.
@@ -81,7 +87,12 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     @property
     def structured(self) -> bool:
         """Whether the worker constrains this request's tokens with a grammar."""
-        return self.json_schema is not None or bool(self.json_object)
+        return bool(self.structured_fields)
+
+    @property
+    def structured_fields(self) -> list[str]:
+        """The names of the structured-output fields that are set (valid params: at most one)."""
+        return [name for name in STRUCTURED_FIELDS if getattr(self, name) not in (None, False)]
 
     @property
     def has_logit_controls(self) -> bool:
@@ -149,6 +160,17 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
             _check_json_schema(self.json_schema)
             if self.json_object:
                 raise InvalidRequest("json_object", "false when json_schema is set", self.json_object)
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise InvalidRequest(name, "a string", type(v).__name__)
+            if v is not None and len(v) > MAX_GRAMMAR_CHARS:
+                raise InvalidRequest(name, f"at most {MAX_GRAMMAR_CHARS} characters", len(v))
+        if self.choice is not None:
+            _check_choice(self.choice)
+        given = self.structured_fields
+        if len(given) > 1:
+            raise InvalidRequest(given[1], f"unset when {given[0]} is set (one structured output)", "set")
 
 
 MAX_INT32 = 2**31 - 1
@@ -161,7 +183,21 @@ MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 MAX_BIAS_VALUE = 100.0
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
 MAX_JSON_SCHEMA_CHARS = 65536
+MAX_GRAMMAR_CHARS = 65536  # regex, grammar, and the choice strings together
+MAX_CHOICE_STRINGS = 1024
+STRUCTURED_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_N = 128  # choices per prompt
+
+
+def _check_choice(choice: object) -> None:
+    """1..MAX_CHOICE_STRINGS strings, MAX_GRAMMAR_CHARS characters in all."""
+    if not isinstance(choice, list) or not all(isinstance(c, str) for c in choice):
+        raise InvalidRequest("choice", "a list of strings", type(choice).__name__)
+    if not 1 <= len(choice) <= MAX_CHOICE_STRINGS:
+        raise InvalidRequest("choice", f"1 to {MAX_CHOICE_STRINGS} strings", len(choice))
+    total = sum(len(c) for c in choice)
+    if total > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest("choice", f"at most {MAX_GRAMMAR_CHARS} characters in all", total)
 
 
 def _check_json_schema(schema: object) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from raystate.messages import MAX_N
+from raystate.messages import MAX_CHOICE_STRINGS, MAX_GRAMMAR_CHARS, MAX_N
 
 # -- limits ---------------------------------------------------------------------------------------------
 # The body as a whole is capped by the ingress (max_body_bytes, 1 MiB by default); these bound what one
@@ -274,15 +274,9 @@ def _true_or_unset(v: Any) -> bool:
     return v is None or v is True
 
 
-_GUIDED = "not supported; use response_format (json_object, json_schema)"
 _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_unset, "suffix is not supported"),
     # vLLM's extensions that its clients send and raystate does not implement
-    "guided_json": (_unset, _GUIDED),
-    "guided_regex": (_unset, _GUIDED),
-    "guided_choice": (_unset, _GUIDED),
-    "guided_grammar": (_unset, _GUIDED),
-    "structured_outputs": (_unset, _GUIDED),
     "allowed_token_ids": (_unset, "not supported (logit_bias can mask tokens)"),
     "bad_words": (_unset, "not supported"),
     "use_beam_search": (_unset, "beam search is not supported"),
@@ -326,6 +320,18 @@ class ResponseFormat(_Request):
         return json.dumps(self.json_schema.schema_, separators=(",", ":"))
 
 
+class StructuredOutputsSpec(_Request):
+    """vLLM's `structured_outputs` (its StructuredOutputsParams): one of a JSON Schema (`json`: an object,
+    or its JSON text), `regex`, `choice`, a Lark `grammar`, or `json_object`. vLLM's tuning fields
+    (`disable_any_whitespace`, ...) are not read: JSON is always written without free whitespace."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICE_STRINGS)
+    grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -352,12 +358,14 @@ class _SamplingFields(_Request):
     min_p: float | None = None
     min_tokens: int | None = None
     response_format: ResponseFormat | None = None  # structured output (json_object, json_schema)
+    # vLLM's structured outputs: `structured_outputs` (vLLM 0.11 on) and the older `guided_*` fields; at
+    # most one structured output per request, these and response_format together
+    structured_outputs: StructuredOutputsSpec | None = None
+    guided_json: dict[str, Any] | bool | str | None = None  # a JSON Schema, or its JSON text
+    guided_regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICE_STRINGS)
+    guided_grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
     # vLLM's extensions raystate does not implement: a 400 unless neutral (_NEUTRAL_ONLY), not ignored
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     use_beam_search: Any = None

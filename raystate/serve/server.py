@@ -33,7 +33,7 @@ from pydantic import BaseModel
 
 from raystate.client import Client
 from raystate.errors import EngineDead, InvalidRequest, RequestFailed
-from raystate.grammar import check_schema
+from raystate.grammar import check_grammar, check_schema
 from raystate.messages import MAX_JSON_SCHEMA_CHARS, SamplingParams, unpack_logprobs
 from raystate.serve import tool_calls
 from raystate.serve.generation import (
@@ -67,7 +67,6 @@ from raystate.serve.protocol import (
     FunctionCallOut,
     ModelCard,
     ModelList,
-    ResponseFormat,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
@@ -132,22 +131,70 @@ class _Shape:
     opening: Callable[[int], BaseModel] | None = None  # a stream's first choice i, before any token
 
 
-def _structured(fmt: ResponseFormat | None) -> dict[str, Any]:
-    """response_format as SamplingParams' structured-output fields; a schema the grammar library refuses
-    is a 400 naming response_format.json_schema.schema."""
-    if fmt is None or fmt.type == "text":
+def _structured_sources(req: CompletionRequest | ChatCompletionRequest) -> list[tuple[str, dict[str, Any]]]:
+    """Each structured output the request asks for, as (the field that asks, SamplingParams fields):
+    response_format, vLLM's `structured_outputs.*` and its older `guided_*` fields."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        out.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        out.append(("response_format.json_schema.schema", {"json_schema": fmt.schema_text()}))
+    spec = req.structured_outputs
+    vllm_fields = [
+        ("guided_json", req.guided_json, "json_schema"),
+        ("guided_regex", req.guided_regex, "regex"),
+        ("guided_choice", req.guided_choice, "choice"),
+        ("guided_grammar", req.guided_grammar, "grammar"),
+    ]
+    if spec is not None:
+        vllm_fields += [
+            ("structured_outputs.json", spec.json_, "json_schema"),
+            ("structured_outputs.regex", spec.regex, "regex"),
+            ("structured_outputs.choice", spec.choice, "choice"),
+            ("structured_outputs.grammar", spec.grammar, "grammar"),
+            ("structured_outputs.json_object", spec.json_object or None, "json_object"),
+        ]
+    for where, value, ours in vllm_fields:
+        if value is None:
+            continue
+        if ours == "json_schema" and not isinstance(value, str):
+            value = json.dumps(value, separators=(",", ":"))
+        out.append((where, {ours: value}))
+    return out
+
+
+_STRUCTURED_LIMITS = {
+    "json_schema": "a JSON Schema the grammar supports",
+    "regex": "a regular expression the grammar supports (Rust regex syntax)",
+    "choice": "strings the grammar can hold the output to",
+    "grammar": "a Lark grammar (llguidance's dialect) with a start rule",
+}
+
+
+def _structured(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """The request's structured output as SamplingParams fields (at most one may be asked for); one the
+    grammar library refuses is a 400 naming the field that asked for it."""
+    sources = _structured_sources(req)
+    if not sources:
         return {}
-    if fmt.type == "json_object":
-        return {"json_object": True}
-    schema = fmt.schema_text()
-    if len(schema) > MAX_JSON_SCHEMA_CHARS:
+    if len(sources) > 1:
         raise InvalidRequest(
-            "response_format.json_schema.schema", f"at most {MAX_JSON_SCHEMA_CHARS} characters", len(schema)
+            sources[1][0], f"unset when {sources[0][0]} is set (one structured output per request)", "set"
         )
-    why = check_schema(schema)
+    where, fields = sources[0]
+    if fields.get("json_object"):
+        return fields
+    try:
+        params = SamplingParams(**fields)
+        params.validate(vocab_size=1)  # the structured fields' own checks (no token ids involved)
+    except InvalidRequest as e:
+        raise InvalidRequest(where, e.limit, e.got) from None
+    (kind,) = fields
+    why = check_schema(fields[kind]) if kind == "json_schema" else check_grammar(params)
     if why is not None:
-        raise InvalidRequest("response_format.json_schema.schema", "a JSON Schema the grammar supports", why)
-    return {"json_schema": schema}
+        raise InvalidRequest(where, _STRUCTURED_LIMITS[kind], why)
+    return fields
 
 
 def _tool_call_deltas(deltas: list[tool_calls.ToolCallDelta]) -> list[ToolCallDeltaOut] | None:
@@ -377,7 +424,7 @@ class RaystateServer:
             logit_bias=_logit_bias(req.logit_bias),
             min_p=req.min_p if req.min_p is not None else defaults.get("min_p", 0.0),
             min_tokens=req.min_tokens or 0,
-            **(structured if structured is not None else _structured(req.response_format)),
+            **(structured if structured is not None else _structured(req)),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             n=req.num_choices,
@@ -512,10 +559,9 @@ class RaystateServer:
                 )
             parser = self.tool_call_parser
             return None, lambda: tool_calls.make_stream(mode, functions, parser)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise InvalidRequest(
-                "response_format", "text (or unset) when tool_choice forces a call", req.response_format.type
-            )
+        asked = _structured_sources(req)
+        if asked:
+            raise InvalidRequest(asked[0][0], "unset when tool_choice forces a call", "set")
         if isinstance(mode, tuple):
             if mode[1] not in names:
                 raise InvalidRequest(

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raystate.grammar import first_line, grammar_of
+from raystate.grammar import first_line, grammar_for
 from raystate.messages import FAILED_ROW, NewRequest, bytes_to_ids
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class StructuredOutputs:
 
         p = req.sampling
         try:
-            grammar = grammar_of(p.json_schema)
+            grammar = grammar_for(p)
             template = self._compiled.get(grammar)
             if template is None:
                 template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
@@ -136,7 +136,7 @@ class StructuredOutputs:
             return None, f"structured output: {type(e).__name__}: {first_line(str(e))}"
         if grammar not in self._compiled:
             if template.is_error():
-                field = "json_schema" if p.json_schema is not None else "json_object"
+                field = p.structured_fields[0]
                 return None, f"invalid request: {field}: {first_line(template.get_error())}"
             self._compiled[grammar] = template
             while len(self._compiled) > GRAMMAR_CACHE_SIZE:

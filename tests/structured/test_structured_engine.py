@@ -1,7 +1,8 @@
-"""Structured output (SamplingParams.json_schema / json_object) on the tiny byte model with random weights:
-the grammar alone must make every output valid JSON that the schema accepts, greedy or sampled, through
-the eager step and the decode-graph step, with async scheduling on or off; the other rows of a batch are
-untouched; a bad schema fails its request alone."""
+"""Structured output (SamplingParams.json_schema / json_object / regex / choice / grammar) on the tiny byte
+model with random weights: the grammar alone must make every output valid JSON that the schema accepts
+(or text the regex, the choices or the Lark grammar allow), greedy or sampled, through the eager step and
+the decode-graph step, with async scheduling on or off; the other rows of a batch are untouched; a bad
+schema fails its request alone."""
 
 from __future__ import annotations
 
@@ -214,3 +215,63 @@ def test_validation_names_the_field():
         assert e.value.field in ("json_schema", "json_object")
     SamplingParams(json_schema="{}").validate(259)
     SamplingParams(json_object=True).validate(259)
+
+
+def test_regex_choice_and_grammar_outputs_match(llm):
+    """The whole output matches the regex, is one of the choices (any text: quotes, backslashes,
+    non-ASCII), or is a sentence of the Lark grammar, greedy and sampled."""
+    import re
+
+    choices = ["yes", 'no "really" \\ é日本', "maybe"]
+    lark = 'start: "x=" NUM ("," NUM)*\nNUM: /[0-9]{1,3}/'
+    params = []
+    for seed in (None, 1, 2):
+        sampled = {} if seed is None else {"temperature": 1.0, "seed": seed}
+        params += [
+            SamplingParams(max_tokens=24, regex=r"[0-9]{3}-[a-z]{2,4}", **sampled),
+            SamplingParams(max_tokens=24, choice=choices, **sampled),
+            SamplingParams(max_tokens=24, grammar=lark, **sampled),
+        ]
+    outs = llm.generate(prompt_token_ids=_prompts(7, len(params)), sampling_params=params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert out.finish_reason == "stop", (i, out.finish_reason, out.error)
+        text = bytes(t for t in out.token_ids if t < 256).decode()
+        kind = i % 3
+        if kind == 0:
+            assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text), text
+        elif kind == 1:
+            assert text in choices, text
+        else:
+            assert re.fullmatch(r"x=[0-9]{1,3}(,[0-9]{1,3})*", text), text
+
+
+def test_a_bad_regex_or_grammar_fails_its_request_alone(llm):
+    params = [
+        SamplingParams(max_tokens=8, regex="(unclosed"),
+        SamplingParams(max_tokens=8, grammar="start: nosuchrule"),
+        SamplingParams(max_tokens=8, ignore_eos=True),
+    ]
+    outs = llm.generate(prompt_token_ids=_prompts(8, 3), sampling_params=params, use_tqdm=False)
+    assert outs[0].finish_reason == "error" and "regex" in outs[0].error
+    assert outs[1].finish_reason == "error" and "grammar" in outs[1].error
+    assert outs[2].finish_reason == "length" and len(outs[2].token_ids) == 8
+
+
+def test_one_structured_output_at_a_time_and_bounded():
+    from raystate.errors import InvalidRequest
+    from raystate.messages import MAX_CHOICE_STRINGS, MAX_GRAMMAR_CHARS
+
+    bad = [
+        ({"regex": "a", "choice": ["b"]}, "choice"),
+        ({"json_object": True, "grammar": 'start: "a"'}, "grammar"),
+        ({"choice": []}, "choice"),
+        ({"choice": ["a", 1]}, "choice"),
+        ({"choice": ["a"] * (MAX_CHOICE_STRINGS + 1)}, "choice"),
+        ({"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}, "regex"),
+        ({"grammar": 3}, "grammar"),
+    ]
+    for kw, field in bad:
+        with pytest.raises(InvalidRequest) as e:
+            SamplingParams(**kw).validate(259)
+        assert e.value.field == field, kw
+    assert SamplingParams(choice=["a", ""]).structured_fields == ["choice"]

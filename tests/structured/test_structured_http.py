@@ -1,7 +1,8 @@
-"""response_format on /v1/completions and /v1/chat/completions through the official `openai` client, on
-the real FastAPI app over `RaystateServer` over `InProcessClient` (httpx's ASGI transport, as in
-tests/serve/test_protocol_details.py): json_schema outputs validate, json_object outputs parse, and a bad
-response_format is a 400 naming it."""
+"""response_format, and vLLM's `structured_outputs` and `guided_*` fields, on /v1/completions and
+/v1/chat/completions through the official `openai` client, on the real FastAPI app over `RaystateServer`
+over `InProcessClient` (httpx's ASGI transport, as in tests/serve/test_protocol_details.py): json_schema
+outputs validate, json_object outputs parse, regex / choice / grammar outputs match, and a bad one is a
+400 naming it."""
 
 from __future__ import annotations
 
@@ -129,3 +130,85 @@ def test_bad_response_format_is_a_400(app, path, response_format, param):
     r = app.post(path, body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+CHOICES = ["positive", "negative", "neutral"]
+VLLM_STRUCTURED = [
+    ({"guided_choice": CHOICES}, "choice"),
+    ({"structured_outputs": {"choice": CHOICES}}, "choice"),
+    ({"guided_regex": "[0-9]{2}:[0-9]{2}"}, "regex"),
+    ({"structured_outputs": {"regex": "[0-9]{2}:[0-9]{2}"}}, "regex"),
+    ({"guided_json": SCHEMA}, "json"),
+    ({"guided_json": json.dumps(SCHEMA)}, "json"),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}, "json"),
+    ({"guided_grammar": 'start: "ok " WORD\nWORD: /[a-z]{1,5}/'}, "grammar"),
+    ({"structured_outputs": {"grammar": 'start: "ok " WORD\nWORD: /[a-z]{1,5}/'}}, "grammar"),
+    ({"structured_outputs": {"json_object": True}}, "object"),
+]
+
+
+def _check(kind: str, text: str) -> None:
+    import re
+
+    if kind == "choice":
+        assert text in CHOICES, text
+    elif kind == "regex":
+        assert re.fullmatch(r"[0-9]{2}:[0-9]{2}", text), text
+    elif kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "grammar":
+        assert re.fullmatch(r"ok [a-z]{1,5}", text), text
+    else:
+        assert isinstance(json.loads(text), dict), text
+
+
+@pytest.mark.parametrize(("extra", "kind"), VLLM_STRUCTURED, ids=lambda x: str(x)[:48])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_vllm_structured_outputs(app, path, extra, kind):
+    body = {"model": MODEL, "max_tokens": 64, "temperature": 1.0, "seed": 5, **extra}
+    body |= {"prompt": "x"} if "chat" not in path else {"messages": [{"role": "user", "content": "x"}]}
+    r = app.post(path, body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    _check(kind, choice["text"] if "chat" not in path else choice["message"]["content"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+        ({"guided_grammar": "start: nosuchrule"}, "guided_grammar"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_json": {"type": "nosuch"}}, "guided_json"),
+        (
+            {"structured_outputs": {"json": {"type": "integer", "minimum": 3, "maximum": 1}}},
+            "structured_outputs.json",
+        ),
+        ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),  # the later of the two
+        ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+        ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs.choice"),
+    ],
+    ids=lambda x: str(x)[:48],
+)
+def test_bad_vllm_structured_output_is_a_400(app, extra, param):
+    body = {"model": MODEL, "max_tokens": 4, "prompt": "x", **extra}
+    r = app.post("/v1/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_forced_tool_call_refuses_another_structured_output(app):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [tool],
+        "tool_choice": "required",
+        "guided_choice": ["a"],
+    }
+    r = app.post("/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "guided_choice"
