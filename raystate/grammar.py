@@ -32,7 +32,7 @@ def grammar_of(json_schema: str | None) -> str:
 
 def choice_grammar(choice: list[str]) -> str:
     """A Lark grammar whose whole output is one of the strings (JSON-quoted literals: any text, escaped)."""
-    return "start: " + " | ".join(json.dumps(c) if c else '""' for c in choice)
+    return "start: " + " | ".join(json.dumps(c) for c in choice)
 
 
 def grammar_for(params) -> str:
