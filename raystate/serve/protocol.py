@@ -280,7 +280,6 @@ _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "allowed_token_ids": (_unset, "not supported (logit_bias can mask tokens)"),
     "bad_words": (_unset, "not supported"),
     "use_beam_search": (_unset, "beam search is not supported"),
-    "truncate_prompt_tokens": (_unset, "not supported: prompts are never truncated"),
     "skip_special_tokens": (_true_or_unset, "only true is supported: special tokens are not written"),
     "spaces_between_special_tokens": (_true_or_unset, "only true is supported"),
 }
@@ -365,11 +364,12 @@ class _SamplingFields(_Request):
     guided_regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICE_STRINGS)
     guided_grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len); >= 1 or -1
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # vLLM's extensions raystate does not implement: a 400 unless neutral (_NEUTRAL_ONLY), not ignored
     allowed_token_ids: Any = None
     bad_words: Any = None
     use_beam_search: Any = None
-    truncate_prompt_tokens: Any = None
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
 

@@ -436,6 +436,16 @@ class RaystateServer:
             raise InvalidRequest("max_tokens", limit, params.max_tokens)
         return params
 
+    def _truncate(self, ids: list[int], k: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the last max_model_len)."""
+        if k is None:
+            return ids
+        if k == 0 or k > self.max_model_len:
+            limit = f"-1 or an integer in [1, max_model_len={self.max_model_len}]"
+            raise InvalidRequest("truncate_prompt_tokens", limit, k)
+        k = self.max_model_len if k == -1 else k
+        return ids[-k:]
+
     def _prepare_completion(self, req: CompletionRequest) -> Prepared:
         self._check_model(req.model)
         prompts, n = req.prompts, req.num_choices
@@ -459,13 +469,15 @@ class RaystateServer:
                 bad = [t for t in ids if not 0 <= t < self.vocab_size]
                 if bad:
                     raise InvalidRequest(name, f"token ids in [0, {self.vocab_size})", bad[0])
+            whole = len(ids)
+            ids = self._truncate(ids, req.truncate_prompt_tokens)
             if len(ids) >= self.max_model_len:
                 raise InvalidRequest(
                     name, f"shorter than max_model_len={self.max_model_len} tokens", len(ids)
                 )
             echo_text = None
             if req.echo:
-                echo_text = prompt if isinstance(prompt, str) else self.text.decode(ids)
+                echo_text = prompt if isinstance(prompt, str) and len(ids) == whole else self.text.decode(ids)
             sampling = self._sampling(
                 req,
                 1 if prompt_only else req.max_tokens,
@@ -488,6 +500,7 @@ class RaystateServer:
     def _prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self._check_model(req.model)
         prompt_text, ids = self._chat_prompt(req)
+        ids = self._truncate(ids, req.truncate_prompt_tokens)
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
                 "messages", f"shorter than max_model_len={self.max_model_len} tokens", len(ids)

@@ -253,3 +253,26 @@ def test_every_dashboard_metric_is_exported(app):
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
     for word in ("ttft", "inter-token", "e2e", "running", "kv", "prefix", "tokens/s"):
         assert word in titles, word
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(app):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens run (usage counts them), exactly as a
+    request that sent those tokens; on the chat route too; 0 or more than max_model_len is a 400."""
+    ids = ByteTokenizer().encode("The quick brown fox jumps over the lazy dog")
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    cut = app.post("/v1/completions", body | {"prompt": ids, "truncate_prompt_tokens": 9}).json()
+    same = app.post("/v1/completions", body | {"prompt": ids[-9:]}).json()
+    assert cut["usage"]["prompt_tokens"] == 9
+    assert cut["choices"][0]["token_ids"] == same["choices"][0]["token_ids"]
+    text = app.post("/v1/completions", body | {"prompt": "A long prompt", "truncate_prompt_tokens": 4}).json()
+    assert text["usage"]["prompt_tokens"] == 4
+    echo = body | {"prompt": "A long prompt", "truncate_prompt_tokens": 4, "echo": True}
+    assert app.post("/v1/completions", echo).json()["choices"][0]["text"].startswith("ompt")
+    untouched = app.post("/v1/completions", body | {"prompt": ids, "truncate_prompt_tokens": -1}).json()
+    assert untouched["usage"]["prompt_tokens"] == len(ids)  # -1: up to max_model_len, which it is under
+    messages = [{"role": "user", "content": "Tell me a long story about a fox"}]
+    chat = app.post("/v1/chat/completions", body | {"messages": messages, "truncate_prompt_tokens": 7}).json()
+    assert chat["usage"]["prompt_tokens"] == 7
+    for bad in (0, -2, 10**6):
+        r = app.post("/v1/completions", body | {"prompt": ids, "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
