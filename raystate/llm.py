@@ -320,7 +320,9 @@ class LLM:
         """One RequestOutput per prompt: choice 0's, with every choice in `outputs`."""
         progress.bar.close()
         for out in outputs.values():
-            out.text = self.text.decode(out.token_ids)
+            # the id that ended the request (EOS or a stop_token_ids id) writes no text, as in vLLM
+            ended = out.finish_reason == "stop" and bool(out.token_ids)
+            out.text = self.text.decode(out.token_ids[:-1] if ended else out.token_ids)
             for per_token in (out.logprobs or [], out.prompt_logprobs or []):
                 for d in per_token:
                     for tid, lp in (d or {}).items():

@@ -56,8 +56,11 @@ class Prepared:
     created: int = field(default_factory=lambda: int(time.time()))
     # max_tokens 0 with echo: each choice runs for one token that is dropped
     prompt_only: bool = False
-    # the text ends after the stop string found, not before it (vLLM's include_stop_str_in_output)
+    # the text ends after the stop string found, not before it (vLLM's include_stop_str_in_output); also
+    # keeps the text of the token that ended the request (EOS or a stop_token_ids id)
     include_stop: bool = False
+    # false: special tokens' text is written into the output (vLLM's skip_special_tokens)
+    skip_special_tokens: bool = True
     # A chat with tools: makes each choice's `raystate.serve.tool_calls.ToolCallStream`, which turns its
     # text into content and tool calls; None: the text is the content.
     tool_stream: Callable[[], Any] | None = None
@@ -179,6 +182,15 @@ class Generation:
         finally:
             await self.close()
 
+    def _text_ids(self, update: RequestUpdate, ids: list[int] | None = None) -> list[int]:
+        """The ids whose text the output carries: the update's (or `ids`, its merge with earlier ones),
+        less the id that ended the request (EOS, or one of stop_token_ids: the engine's "stop"), as vLLM
+        writes it, unless include_stop_str_in_output keeps it."""
+        ids = list(update.new_token_ids) if ids is None else ids
+        if update.finished and update.finish_reason == "stop" and ids and not self._prep.include_stop:
+            return ids[:-1]
+        return ids
+
     def _consume(self, updates: list[RequestUpdate]) -> Delta:
         """One update, or several of the request's in order (none but the first failed), as one delta:
         their token ids and logprob records concatenated (records of one request have one size), the
@@ -189,7 +201,7 @@ class Generation:
         if len(updates) > 1 and self._prep.stop:
             texts = []
             for i, u in enumerate(updates):
-                texts.append(self._text.push(u.new_token_ids, final=u.finished))
+                texts.append(self._text.push(self._text_ids(u), final=u.finished))
                 if self._text.stopped:
                     updates = updates[: i + 1]
                     break
@@ -228,7 +240,7 @@ class Generation:
             self._done = True
             raise RequestFailed(update.error or "the request failed")
         if text is None:
-            text = self._text.push(new, final=update.finished)
+            text = self._text.push(self._text_ids(update, new), final=update.finished)
         if self._text.stopped:
             self.finish_reason = "stop"
         elif update.finished:

@@ -280,7 +280,6 @@ _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "allowed_token_ids": (_unset, "not supported (logit_bias can mask tokens)"),
     "bad_words": (_unset, "not supported"),
     "use_beam_search": (_unset, "beam search is not supported"),
-    "skip_special_tokens": (_true_or_unset, "only true is supported: special tokens are not written"),
     "spaces_between_special_tokens": (_true_or_unset, "only true is supported"),
 }
 
@@ -366,11 +365,12 @@ class _SamplingFields(_Request):
     guided_grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len); >= 1 or -1
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # vLLM's: false writes special tokens' text into the output (None: true)
+    skip_special_tokens: bool | None = None
     # vLLM's extensions raystate does not implement: a 400 unless neutral (_NEUTRAL_ONLY), not ignored
     allowed_token_ids: Any = None
     bad_words: Any = None
     use_beam_search: Any = None
-    skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
 
     @field_validator("stop", mode="before")

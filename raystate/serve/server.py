@@ -492,6 +492,7 @@ class RaystateServer:
             prompts=parts,
             stop=req.stop,
             include_stop=bool(req.include_stop_str_in_output),
+            skip_special_tokens=req.skip_special_tokens is not False,
             return_token_ids=bool(req.return_token_ids),
             include_usage=req.include_usage,
             prompt_only=prompt_only,
@@ -531,6 +532,7 @@ class RaystateServer:
             prompts=[PromptPart(ids, sampling)],
             stop=req.stop,
             include_stop=bool(req.include_stop_str_in_output),
+            skip_special_tokens=req.skip_special_tokens is not False,
             return_token_ids=bool(req.return_token_ids),
             include_usage=req.include_usage,
             tool_stream=tool_stream,
@@ -615,7 +617,7 @@ class RaystateServer:
                     self._aborts,
                     c,
                     u,
-                    self.text.text_stream(prep.stop, prep.include_stop),
+                    self.text.text_stream(prep.stop, prep.include_stop, prep.skip_special_tokens),
                 )
                 for c, u in zip(children, streams, strict=True)
             ]

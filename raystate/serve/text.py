@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from raystate.config import NUM_BYTES
 from raystate.engine_args import ResolvedModel, load_tokenizer, with_local_checkpoint
 from raystate.errors import InvalidRequest
 from raystate.hf.generation_config import GenerationDefaults, load_generation_defaults
@@ -150,15 +151,19 @@ class ModelText:
 
     # -- outputs -------------------------------------------------------------------------------------
 
-    def text_stream(self, stop: list[str] | None = None, include_stop: bool = False):
+    def text_stream(
+        self, stop: list[str] | None = None, include_stop: bool = False, skip_special_tokens: bool = True
+    ):
         """A stream for one request's output ids: `push(ids, final) -> text delta`, `text`, `stopped`;
         stop strings applied on the text (the text ends before the one found, or after it with
-        `include_stop`), special tokens skipped."""
+        `include_stop`), special tokens skipped unless `skip_special_tokens` is false."""
         if self.is_hf:
             from raystate.hf.detokenize import HFTextStream
 
-            return HFTextStream(self.tokenizer, stop, include_stop=include_stop)
-        return TextStream(stop, include_stop=include_stop)
+            return HFTextStream(self.tokenizer, stop, skip_special_tokens, include_stop=include_stop)
+        if skip_special_tokens:
+            return TextStream(stop, include_stop=include_stop)
+        return TextStream(stop, byte_decoder_with_specials(self.tokenizer), include_stop=include_stop)
 
     # -- sampling defaults ---------------------------------------------------------------------------
 
@@ -176,6 +181,27 @@ class ModelText:
         """SamplingParams() with the checkpoint's defaults laid over ours (vLLM's
         `LLM.get_default_sampling_params`)."""
         return SamplingParams(**self.sampling_defaults())
+
+
+def byte_decoder_with_specials(tokenizer: Any):
+    """The byte models' incremental decoder that writes special tokens as their text (`<|eos|>`): bytes
+    through an incremental UTF-8 decoder (never half a character), a special token after the bytes
+    before it."""
+    import codecs
+
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def decode(token_ids: Iterable[int], final: bool) -> str:
+        out = []
+        for t in token_ids:
+            if 0 <= t < NUM_BYTES:
+                out.append(utf8.decode(bytes((t,))))
+            else:
+                out.append(utf8.decode(b"", final=True) + tokenizer.decode([t], skip_special_tokens=False))
+        out.append(utf8.decode(b"", final=final))
+        return "".join(out)
+
+    return decode
 
 
 def load_model_text(model: ResolvedModel, name: str | None = None) -> ModelText:

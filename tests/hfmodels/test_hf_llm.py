@@ -146,3 +146,15 @@ def test_repetition_penalty_default_comes_from_generation_config(family_checkpoi
     qwen2 = LLM(str(family_checkpoints["qwen2"]), backend="inprocess", device="cpu", max_model_len=256)
     defaults = qwen2.get_default_sampling_params()
     assert defaults.repetition_penalty == 1.05 and defaults.min_p == 0.0
+
+
+def test_the_token_that_ends_a_request_writes_no_text(llm):
+    """As vLLM (and the server): the stop_token_ids id (or EOS) that ends a request is in token_ids, but
+    its text is not in the output."""
+    params = SamplingParams(max_tokens=1, temperature=0)
+    (first,) = llm.generate(["Hello world"], params, use_tqdm=False)
+    (word,) = first.token_ids
+    assert first.text != ""  # a word: the random model's first greedy token writes text
+    stop = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[word])
+    (out,) = llm.generate(["Hello world"], stop, use_tqdm=False)
+    assert out.finish_reason == "stop" and out.token_ids == [word] and out.text == ""

@@ -506,3 +506,43 @@ def test_serve_app_template_error_is_a_400(serve_app):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "messages" and "Conversation roles must alternate" in err["message"]
+
+
+def test_skip_special_tokens_false_writes_their_text(qwen3_app, checkpoints):
+    """vLLM's skip_special_tokens: false writes special tokens' text (a logit_bias makes the tiny model
+    write <|im_start|>); the token that ends the request (EOS) writes none unless
+    include_stop_str_in_output keeps it, and a stop_token_ids id likewise."""
+    tok = hf_tokenizer(checkpoints["qwen3"])
+    start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    body = {"prompt": "Hi", "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+    forced = body | {"logit_bias": {str(start): 100}, "ignore_eos": True}
+    plain = qwen3_app.post("/v1/completions", forced).json()["choices"][0]
+    assert plain["token_ids"] == [start] * 3 and plain["text"] == ""
+    shown = qwen3_app.post("/v1/completions", forced | {"skip_special_tokens": False}).json()["choices"][0]
+    assert shown["text"] == "<|im_start|>" * 3
+    streamed = qwen3_app.post("/v1/completions", forced | {"skip_special_tokens": False, "stream": True})
+    deltas = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "".join(d["choices"][0]["text"] for d in deltas) == "<|im_start|>" * 3
+
+    ending = body | {"logit_bias": {str(end): 100}, "skip_special_tokens": False}
+    stopped = qwen3_app.post("/v1/completions", ending).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["token_ids"] == [end] and stopped["text"] == ""
+    kept = qwen3_app.post("/v1/completions", ending | {"include_stop_str_in_output": True}).json()
+    assert kept["choices"][0]["text"] == "<|im_end|>"
+
+    first = qwen3_app.post("/v1/completions", body | {"max_tokens": 1}).json()["choices"][0]
+    (word,) = first["token_ids"]
+    cut = qwen3_app.post("/v1/completions", body | {"stop_token_ids": [word]}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["token_ids"] == [word] and cut["text"] == ""
+
+
+def test_skip_special_tokens_false_on_a_byte_model():
+    from raystate.config import PAD_ID
+
+    app = AsgiApp("tiny")
+    try:
+        body = {"prompt": "é", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        body |= {"logit_bias": {str(PAD_ID): 100}, "skip_special_tokens": False}
+        assert app.post("/v1/completions", body).json()["choices"][0]["text"] == "<|pad|><|pad|>"
+    finally:
+        app.close()

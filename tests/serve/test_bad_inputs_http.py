@@ -189,7 +189,6 @@ UNSUPPORTED_EXTENSIONS = [
     ('"allowed_token_ids": [1, 2]', '"allowed_token_ids": []', "allowed_token_ids"),
     ('"bad_words": ["x"]', '"bad_words": null', "bad_words"),
     ('"use_beam_search": true', '"use_beam_search": false', "use_beam_search"),
-    ('"skip_special_tokens": false', '"skip_special_tokens": true', "skip_special_tokens"),
     (
         '"spaces_between_special_tokens": false',
         '"spaces_between_special_tokens": true',

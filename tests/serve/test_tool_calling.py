@@ -20,6 +20,7 @@ import pytest
 from asgi_app import reference_app
 
 from raystate.client import Client
+from raystate.config import EOS_ID
 from raystate.messages import RequestUpdate
 from raystate.serve.ingress import create_api
 from raystate.serve.server import RaystateServer
@@ -217,10 +218,11 @@ HERMES_OUTPUT = (
 
 
 class ScriptedClient(Client):
-    """A model that writes `script` (byte tokens, `step` a update) and stops; remembers the prompts."""
+    """A model that writes `script` (byte tokens, `step` a update) and stops on EOS, as the engine does
+    (its last id is the EOS, whose text the output leaves out); remembers the prompts."""
 
     def __init__(self, script: str, step: int = 3) -> None:
-        self.script = list(script.encode())
+        self.script = [*script.encode(), EOS_ID]
         self.step = step
         self.prompts: list[list[int]] = []
         self._config = SimpleNamespace(
