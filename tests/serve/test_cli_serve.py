@@ -47,12 +47,12 @@ def _wait_for(lines: queue.Queue, needle: str, timeout_s: float) -> list[str]:
 
 def _start_serve(port: int, args: list[str], **popen) -> tuple[subprocess.Popen, queue.Queue]:
     """`raystate serve --port PORT ARGS` (reference kernels, no API key from the environment), and a queue
-    its stdout lines arrive on."""
+    its output lines (stdout and stderr: a failed start says why) arrive on."""
     env = {**os.environ, "RAYSTATE_KERNELS": "reference", "PYTHONUNBUFFERED": "1"}
     env.pop("RAYSTATE_API_KEY", None)
     cmd = [sys.executable, "-m", "raystate", "serve", "--port", str(port), *args]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, **popen
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **popen
     )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
