@@ -18,7 +18,7 @@ gpu_tests() {
 }
 gemma() {  # gemma LABEL [before]: one bench_decode process
   local dir=. env=""
-  if [ "$2" = before ]; then ln -sfn ../kernels .before/raystate/kernels; dir=.before; env="PYTHONPATH=$PWD/.before"; fi
+  if [ "$2" = before ]; then ln -sfn ../kernels .before/raystate/kernels; dir=.before; env="PYTHONPATH=$PWD/.before${PYTHONPATH:+:$PYTHONPATH}"; fi
   (cd $dir && timeout $(left) env $env python3 bench/bench_decode.py --model /tmp/hf_ckpt/gemma3-4b --batch 64 \
     --context 4096 --steps 32 --configs "graphs + async" 2>&1 | tee "$OUT/gemma_$1.log" \
     | grep -E "^decode|floor|GPU per step|host")
