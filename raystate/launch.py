@@ -57,9 +57,10 @@ class LaunchOptions:
     dispatch: str = "compiled"
     # With "compiled" and async scheduling: each worker launches the next step before it answers the last
     # one (`PipelinedCompiledDispatch`), so its device need not idle while answers and messages travel.
-    # Off by default until measured on a GPU (bench/bench_backends.py); RAYSTATE_PIPELINE_STEPS=1 in the
-    # environment turns it on where no option reaches.
-    pipeline_steps: bool = field(default_factory=lambda: os.environ.get("RAYSTATE_PIPELINE_STEPS") == "1")
+    # On by default since measured on a GPU: the decode step 0.87x of the unpipelined one at batch 1, 8
+    # and 64, tokens equal (bench/bench_backends.py, H100, BENCHMARKS.md); RAYSTATE_PIPELINE_STEPS=0 in
+    # the environment turns it off where no option reaches.
+    pipeline_steps: bool = field(default_factory=lambda: os.environ.get("RAYSTATE_PIPELINE_STEPS") != "0")
     num_gpus_per_shard: float | None = None  # None: 1 when config.device is CUDA, else 0
     num_cpus_per_shard: float = 1.0
     scheduler_num_cpus: float = 0.0
