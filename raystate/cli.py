@@ -35,7 +35,7 @@ DEFAULT_PROMPTS = [
 def _generate(args: argparse.Namespace) -> int:
     from raystate import LLM, SamplingParams
 
-    llm = LLM(model=args.model, device=args.device, seed=args.seed, backend=args.backend)
+    llm = LLM(**dataclasses.asdict(_engine_args(args)), backend=args.backend)
     # Unset flags: the model's defaults (a checkpoint's generation_config.json; else greedy).
     defaults = llm.get_default_sampling_params()
     temperature = defaults.temperature if args.temperature is None else args.temperature
@@ -45,6 +45,8 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=defaults.top_p if args.top_p is None else args.top_p,
         top_k=defaults.top_k if args.top_k is None else args.top_k,
         seed=args.seed if temperature > 0 else None,
+        regex=args.regex,
+        choice=args.choice,
     )
     prompts = args.prompt or DEFAULT_PROMPTS
     t0 = time.perf_counter()
@@ -670,25 +672,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("generate", help="generate text for one-off prompts and print it")
-    g.add_argument(
-        "--model",
-        default="tiny",
-        help="a named model (tiny, bench), a Hugging Face checkpoint folder or hub id, or a saved raystate "
-        "model",
-    )
-    g.add_argument("--device", default="cpu")
     g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: three samples")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, help="default: the model's (greedy for tiny and bench)")
     g.add_argument("--top-p", type=float, help="default: the model's (1: off)")
     g.add_argument("--top-k", type=int, help="default: the model's (0: off)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--regex", help="hold each output to this regular expression (structured output)")
+    g.add_argument("--choice", action="append", help="each output is one of these strings (repeatable)")
     g.add_argument(
         "--backend",
         choices=BACKENDS,
         default="inprocess",
         help="inprocess (default: no Ray start-up for a one-off run) or ray (a local Ray deployment)",
     )
+    _add_engine_flags(g)  # --model, --device, --seed (also the sampling seed), --revision, --tokenizer, ...
     g.set_defaults(func=_generate)
 
     st = sub.add_parser("status", help="shards, requests and cache use of a running server")
