@@ -352,6 +352,12 @@ def make_app(args: dict[str, Any] | AppArgs | None = None, client_factory: Clien
     if client_factory is None:
         model_name = model_name or opts.model
         config = opts.engine_config()
+        if config.tokenizer_path is not None:
+            # A tokenizer given apart is loaded here too, so that one that does not fit the model (ids past
+            # its vocabulary, an unreadable tokenizer.json) fails the config, not every replica's start.
+            from raystate.serve.text import model_text_for_config
+
+            model_text_for_config(config)
         if opts.backend == "inprocess":
             client_factory = InProcessBackend(config)
         else:

@@ -177,6 +177,10 @@ def test_tokenizer_errors_name_the_field(llama, weights_only, tmp_path):
     with pytest.raises(InvalidRequest, match=f"at most {vocab} ids") as e:
         LLM(str(weights_only), tokenizer=str(big), backend="inprocess")
     assert e.value.field == "tokenizer"
+    from raystate.serve.app import AppArgs, build_app
+
+    with pytest.raises(InvalidRequest, match=f"at most {vocab} ids"):  # where the Serve config is read
+        build_app(AppArgs(model=str(weights_only), tokenizer=str(big), backend="inprocess"))
 
 
 def _eos_ids(llama: Path) -> tuple[list[int], list[int]]:
