@@ -61,6 +61,8 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_p: float = 0.0  # keep tokens with probability >= min_p * the largest (after temperature)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until the output has this many tokens
+    # Only these ids may be sampled (every other token, EOS included unless listed, is -inf); None: all
+    allowed_token_ids: list[int] | None = None
     # Log-probabilities (raystate/worker/logprobs.py): of each output token plus the `logprobs` most
     # likely, and of each prompt token (from position 1) plus the `prompt_logprobs` most likely; None:
     # off, 0: the token's own only. From the logits after the logit controls above and before
@@ -103,6 +105,7 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+            or self.allowed_token_ids is not None
         )
 
     def validate(self, vocab_size: int) -> None:
@@ -144,6 +147,14 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
                     raise InvalidRequest(
                         "logit_bias", f"values in [-{MAX_BIAS_VALUE:g}, {MAX_BIAS_VALUE:g}]", b
                     )
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not 1 <= len(ids) <= MAX_ALLOWED_TOKEN_IDS:
+                limit = f"a list of 1 to {MAX_ALLOWED_TOKEN_IDS} token ids"
+                raise InvalidRequest("allowed_token_ids", limit, len(ids) if isinstance(ids, list) else ids)
+            bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequest("allowed_token_ids", f"token ids in [0, {vocab_size})", bad[0])
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequest("min_p", "a number in [0, 1]", self.min_p)
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -180,6 +191,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's range)
 MAX_REPETITION_PENALTY = 2.0
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_ALLOWED_TOKEN_IDS = 1024
 MAX_BIAS_VALUE = 100.0
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
 MAX_JSON_SCHEMA_CHARS = 65536

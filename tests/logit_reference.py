@@ -1,4 +1,5 @@
-"""The plain per-token reference of the logit controls (penalties, logit_bias, min_tokens), shared by the
+"""The plain per-token reference of the logit controls (allowed_token_ids, logit_bias, min_tokens,
+penalties), shared by the
 worker's and the engine's tests. Importable from every test folder: tests/conftest.py puts tests/ on
 sys.path."""
 
@@ -19,6 +20,11 @@ def reference_row(
     x = logits.clone()
     if not p.has_logit_controls:
         return x
+    if p.allowed_token_ids is not None:
+        keep = set(p.allowed_token_ids)
+        for t in range(x.shape[0]):
+            if t not in keep:
+                x[t] = float("-inf")
     for t, b in (p.logit_bias or {}).items():
         x[t] = x[t] + torch.tensor(b, dtype=torch.float32)
     if len(output) < p.min_tokens:

@@ -277,7 +277,6 @@ def _true_or_unset(v: Any) -> bool:
 _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_unset, "suffix is not supported"),
     # vLLM's extensions that its clients send and raystate does not implement
-    "allowed_token_ids": (_unset, "not supported (logit_bias can mask tokens)"),
     "bad_words": (_unset, "not supported"),
     "use_beam_search": (_unset, "beam search is not supported"),
     "spaces_between_special_tokens": (_true_or_unset, "only true is supported"),
@@ -367,8 +366,9 @@ class _SamplingFields(_Request):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # vLLM's: false writes special tokens' text into the output (None: true)
     skip_special_tokens: bool | None = None
+    # vLLM's: only these ids may be sampled (checked by SamplingParams.validate, naming the field)
+    allowed_token_ids: list[int] | None = None
     # vLLM's extensions raystate does not implement: a 400 unless neutral (_NEUTRAL_ONLY), not ignored
-    allowed_token_ids: Any = None
     bad_words: Any = None
     use_beam_search: Any = None
     spaces_between_special_tokens: Any = None

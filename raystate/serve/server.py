@@ -424,6 +424,7 @@ class RaystateServer:
             logit_bias=_logit_bias(req.logit_bias),
             min_p=req.min_p if req.min_p is not None else defaults.get("min_p", 0.0),
             min_tokens=req.min_tokens or 0,
+            allowed_token_ids=req.allowed_token_ids,
             **(structured if structured is not None else _structured(req)),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

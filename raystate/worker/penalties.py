@@ -6,6 +6,7 @@ function over the logits [B, V] (`LogitControls.apply`): no host sync, no per-ro
 shapes, so it also runs inside the captured decode graph. In order, on the raw logits (so greedy requests
 are affected too; temperature, top-k, top-p and min_p come after, in the sampler):
 
+0. allowed_token_ids: every other token is -inf (a scatter of the slot's id list into a mask).
 1. logit_bias: the request's (id, value) pairs are added (a scatter_add over a sparse per-slot list).
 2. min_tokens: while the output has fewer than min_tokens tokens, EOS (unless ignore_eos) and the
    stop_token_ids are -inf.
@@ -22,8 +23,9 @@ Per-slot device memory, R = max_num_seqs, plus the scratch slot of padded graph 
 - `prompt_seen` bool [R + 1, V]: the prompt's tokens ((R + 1) V bytes). "Seen" for the repetition penalty
   is `prompt_seen | counts > 0`.
 - logit_bias as ids int64 [R + 1, 300] and values fp32 [R + 1, 300] (padding: id V, value 0, written to a
-  column past the vocabulary that is dropped), stop ids int64 [R + 1, 1024 + #EOS], and a few [R + 1]
-  vectors (flags, penalty values, min_tokens, prompt length).
+  column past the vocabulary that is dropped), allowed ids int64 [R + 1, 1024] (padding: V), stop ids
+  int64 [R + 1, 1024 + #EOS], and a few [R + 1] vectors (flags, penalty values, min_tokens, prompt
+  length).
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from raystate.messages import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, NewRequest, SamplingParams
+from raystate.messages import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    NewRequest,
+    SamplingParams,
+)
 
 
 class LogitControls:
@@ -54,6 +62,9 @@ class LogitControls:
         self.prompt_seen = torch.zeros((n, v), dtype=torch.bool, device=device)  # bool [R + 1, V]
         self.bias_ids = torch.full((n, MAX_LOGIT_BIAS), v, dtype=torch.int64, device=device)
         self.bias_values = torch.zeros((n, MAX_LOGIT_BIAS), dtype=torch.float32, device=device)
+        # allowed_token_ids: the list (padding V) and whether the slot restricts at all
+        self.allowed_ids = torch.full((n, MAX_ALLOWED_TOKEN_IDS), v, dtype=torch.int64, device=device)
+        self.restricted = torch.zeros(n, dtype=torch.bool, device=device)  # bool [R + 1]
         self.max_stop_ids = MAX_STOP_TOKEN_IDS + len(self.eos_token_ids)
         self.stop_ids = torch.full((n, self.max_stop_ids), v, dtype=torch.int64, device=device)
 
@@ -85,6 +96,10 @@ class LogitControls:
         vals[: len(bias)] = list(bias.values())
         self.bias_ids[slot].copy_(torch.from_numpy(ids))
         self.bias_values[slot].copy_(torch.from_numpy(vals))
+        allowed = np.full(MAX_ALLOWED_TOKEN_IDS, v, dtype=np.int64)
+        allowed[: len(p.allowed_token_ids or ())] = p.allowed_token_ids or []
+        self.allowed_ids[slot].copy_(torch.from_numpy(allowed))
+        self.restricted[slot] = p.allowed_token_ids is not None
         stops = np.full(self.max_stop_ids, v, dtype=np.int64)
         if p.min_tokens:
             ids_ = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
@@ -114,6 +129,11 @@ class LogitControls:
         bit for bit. Fixed shapes and no host sync: CUDA-graph safe."""
         b, v = logits.shape
         x = logits
+        # 0. allowed_token_ids: the rows that restrict keep only their ids (padding V: the dropped column).
+        allowed = torch.zeros((b, v + 1), dtype=torch.bool, device=logits.device)
+        allowed.scatter_(1, self.allowed_ids[slots], True)
+        keep = allowed[:, :v] | ~self.restricted[slots].unsqueeze(1)
+        x = x.masked_fill(~keep, float("-inf"))
         # 1. logit_bias: padding entries (id V) land in a column past the vocabulary, dropped.
         bias = torch.zeros((b, v + 1), dtype=logits.dtype, device=logits.device)
         bias.scatter_add_(1, self.bias_ids[slots], self.bias_values[slots])

@@ -1,7 +1,8 @@
-"""Penalties, logit_bias, min_tokens and min_p end to end through the in-process engine: each greedy token
-is the argmax of the raw logits the worker computed with the request's controls applied by a plain
-per-token reference, a +100 bias forces its token, min_tokens holds EOS and stop ids back (on the device
-and in the scheduler's finishing rule), min_p = 1 is greedy."""
+"""Penalties, logit_bias, allowed_token_ids, min_tokens and min_p end to end through the in-process
+engine: each greedy token is the argmax of the raw logits the worker computed with the request's controls
+applied by a plain per-token reference, a +100 bias forces its token, allowed_token_ids keeps every token
+(sampled too) in its list, min_tokens holds EOS and stop ids back (on the device and in the scheduler's
+finishing rule), min_p = 1 is greedy."""
 
 from __future__ import annotations
 
@@ -131,3 +132,25 @@ def test_min_p_one_is_greedy(make_llm):
         use_tqdm=False,
     )
     assert [o.token_ids for o in min_p] == [o.token_ids for o in greedy]
+
+
+def test_allowed_token_ids_keep_every_token_in_the_list(make_llm):
+    llm, log = make_llm()
+    eos = llm.engine.worker.controls.eos_token_ids
+    prompts = _prompts(4, 4)
+    allowed = [65, 66, 67, 32]
+    params = [
+        SamplingParams(max_tokens=10, allowed_token_ids=allowed),  # greedy: EOS not listed, so never
+        SamplingParams(max_tokens=10, temperature=1.0, seed=5, allowed_token_ids=allowed),
+        SamplingParams(max_tokens=10, temperature=1.0, seed=6, allowed_token_ids=[*allowed, *eos]),
+        SamplingParams(max_tokens=10, ignore_eos=True),  # plain, in the same batch
+    ]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    for out in outs[:2]:
+        assert len(out.token_ids) == 10 and set(out.token_ids) <= set(allowed), out.token_ids
+    assert set(outs[2].token_ids) <= {*allowed, *eos}
+    assert not set(outs[3].token_ids) <= set(allowed)
+    rows = log.rows[outs[0].request_id]
+    for k, token in enumerate(outs[0].token_ids):
+        want = reference_row(rows[len(prompts[0]) + k - 1], params[0], prompts[0], outs[0].token_ids[:k], eos)
+        assert int(want.argmax()) == token

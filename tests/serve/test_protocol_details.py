@@ -276,3 +276,18 @@ def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(app):
     for bad in (0, -2, 10**6):
         r = app.post("/v1/completions", body | {"prompt": ids, "truncate_prompt_tokens": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_allowed_token_ids_hold_the_output_to_the_list(app):
+    """vLLM's allowed_token_ids (was refused): every output token is one of them; an empty list or an id
+    past the vocabulary is a 400 naming the field."""
+    body = {"model": MODEL, "prompt": "Go", "max_tokens": 8, "return_token_ids": True}
+    allowed = [ord(c) for c in "xyz"]
+    for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 2}):
+        r = app.post("/v1/completions", body | extra | {"allowed_token_ids": allowed})
+        choice = r.json()["choices"][0]
+        assert set(choice["token_ids"]) <= set(allowed) and len(choice["token_ids"]) == 8, choice
+        assert set(choice["text"]) <= set("xyz")
+    for bad in ([], [10**6]):
+        r = app.post("/v1/completions", body | {"allowed_token_ids": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text

@@ -46,6 +46,7 @@ params_st = st.builds(
     min_tokens=st.one_of(st.just(0), st.integers(0, 6)),
     stop_token_ids=st.lists(st.integers(0, V - 1), max_size=3),
     ignore_eos=st.booleans(),
+    allowed_token_ids=st.one_of(st.none(), st.lists(st.integers(0, V - 1), min_size=1, max_size=12)),
 )
 row_st = st.tuples(
     params_st,
@@ -63,7 +64,9 @@ def test_batched_controls_equal_the_per_row_reference(rows, seed):
     slots = slot_order[: len(rows)]
     # A previous request with other controls left its state in every slot: adding must overwrite it.
     for s in range(NUM_SLOTS - 1):
-        stale = SamplingParams(presence_penalty=1.5, logit_bias={1: 50.0}, min_tokens=3, max_tokens=5)
+        stale = SamplingParams(
+            presence_penalty=1.5, logit_bias={1: 50.0}, min_tokens=3, max_tokens=5, allowed_token_ids=[2, 3]
+        )
         controls.add(
             s, _new_request("old", [5, 6], [9, 9], stale), torch.tensor([5, 6, 9, 9], dtype=torch.int32)
         )
