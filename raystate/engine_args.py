@@ -356,15 +356,13 @@ def with_local_checkpoint(config: EngineConfig) -> EngineConfig:
     is found in, or downloaded into, this node's hub cache at the same commit. Folders the user gave are
     taken as they are (they must be on every node, as vLLM requires)."""
     changes = {}
-    for field_name, hub_name, resolve in (
-        ("model_path", "model_hub", "resolve_checkpoint_folder"),
-        ("tokenizer_path", "tokenizer_hub", "resolve_tokenizer_folder"),
-    ):
+    for field_name, hub_name in (("model_path", "model_hub"), ("tokenizer_path", "tokenizer_hub")):
         path, hub = getattr(config, field_name), getattr(config, hub_name)
         if path is None or hub is None or os.path.isdir(path):
             continue
-        from raystate.hf import hub as hf_hub
+        from raystate.hf.hub import resolve_checkpoint_folder, resolve_tokenizer_folder
 
+        resolve = resolve_checkpoint_folder if field_name == "model_path" else resolve_tokenizer_folder
         repo, commit = hub.rsplit("@", 1)
-        changes[field_name] = str(getattr(hf_hub, resolve)(repo, revision=commit))
+        changes[field_name] = str(resolve(repo, revision=commit))
     return dataclasses.replace(config, **changes) if changes else config

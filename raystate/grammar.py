@@ -51,23 +51,26 @@ def grammar_for(params) -> str:
 def check_grammar(params) -> str | None:
     """Why llguidance refuses the grammar of a SamplingParams' structured-output field, or None when it
     compiles. Needs no tokenizer."""
-    import llguidance
-
-    try:
-        grammar = grammar_for(params)
-    except (ValueError, RecursionError) as e:
-        return first_line(str(e))
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    return first_line(messages[0] if messages else None) if is_error else None
+    return _refusal(lambda: grammar_for(params))
 
 
 def check_schema(json_schema: str) -> str | None:
     """Why llguidance refuses a JSON Schema (JSON text), or None when it compiles. Needs no tokenizer."""
+
+    def grammar() -> str:
+        json.loads(json_schema)
+        return grammar_of(json_schema)
+
+    return _refusal(grammar)
+
+
+def _refusal(make_grammar) -> str | None:
+    """The first line of why the grammar `make_grammar()` builds is refused (building or validating it),
+    or None."""
     import llguidance
 
     try:
-        json.loads(json_schema)
-        grammar = grammar_of(json_schema)
+        grammar = make_grammar()
     except (ValueError, RecursionError) as e:
         return first_line(str(e))
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)

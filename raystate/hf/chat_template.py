@@ -139,21 +139,17 @@ def read_chat_template(value: str, field: str = "chat_template") -> str:
         source = value
     else:
         raise InvalidRequest(field, "a template file or Jinja template text", f"{value} (no such file)")
-    try:
-        compile_chat_template(source)
-    except jinja2.TemplateSyntaxError as e:
-        where = f"{value}, " if path is not None else ""
-        raise InvalidRequest(field, "a Jinja template", f"{where}line {e.lineno}: {e.message}") from None
-    return source
+    return request_chat_template(source, field, where=f"{value}, " if path is not None else "")
 
 
-def request_chat_template(source: str, field: str = "chat_template") -> str:
+def request_chat_template(source: str, field: str = "chat_template", where: str = "") -> str:
     """A chat template sent in a request (vLLM's request `chat_template`): only its text, never a file of
-    the server's; compiled here so a syntax error is a 400 naming the field and the line."""
+    the server's; compiled here so a syntax error is a 400 naming the field and the line (after `where`,
+    the file it came from, for `read_chat_template`)."""
     try:
         compile_chat_template(source)
     except jinja2.TemplateSyntaxError as e:
-        raise InvalidRequest(field, "a Jinja template", f"line {e.lineno}: {e.message}") from None
+        raise InvalidRequest(field, "a Jinja template", f"{where}line {e.lineno}: {e.message}") from None
     return source
 
 

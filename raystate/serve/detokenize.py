@@ -71,6 +71,27 @@ class StopStrings:
         return 0
 
 
+def byte_decoder(special_text: Callable[[int], str] | None = None) -> Callable[[Iterable[int], bool], str]:
+    """The byte models' incremental decoder, `decode(token_ids, final) -> text`: the byte ids through an
+    incremental UTF-8 decoder (never half a character); a special id (>= NUM_BYTES) dropped, or, with
+    `special_text`, written as its text after the bytes before it."""
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def decode(token_ids: Iterable[int], final: bool) -> str:
+        if special_text is None:
+            return utf8.decode(bytes(t for t in token_ids if 0 <= t < NUM_BYTES), final=final)
+        out = []
+        for t in token_ids:
+            if 0 <= t < NUM_BYTES:
+                out.append(utf8.decode(bytes((t,))))
+            else:
+                out.append(utf8.decode(b"", final=True) + special_text(t))
+        out.append(utf8.decode(b"", final=final))
+        return "".join(out)
+
+    return decode
+
+
 class TextStream:
     """Token ids in, text deltas out: an incremental decoder in front of `StopStrings`.
 
@@ -85,13 +106,7 @@ class TextStream:
         decode: Callable[[Iterable[int], bool], str] | None = None,
         include_stop: bool = False,
     ) -> None:
-        if decode is None:
-            utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-            def decode(token_ids: Iterable[int], final: bool) -> str:
-                return utf8.decode(bytes(t for t in token_ids if 0 <= t < NUM_BYTES), final=final)
-
-        self._decode = decode
+        self._decode = decode if decode is not None else byte_decoder()
         self._stop = StopStrings(stop, include_stop)
 
     @property

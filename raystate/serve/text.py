@@ -24,12 +24,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from raystate.config import NUM_BYTES
 from raystate.engine_args import ResolvedModel, load_tokenizer, with_local_checkpoint
 from raystate.errors import InvalidRequest
 from raystate.hf.generation_config import GenerationDefaults, load_generation_defaults
 from raystate.messages import SamplingParams
-from raystate.serve.detokenize import TextStream
+from raystate.serve.detokenize import TextStream, byte_decoder
 
 REFERENCE_ARCHITECTURE = "raystate_hybrid"
 
@@ -163,7 +162,11 @@ class ModelText:
             return HFTextStream(self.tokenizer, stop, skip_special_tokens, include_stop=include_stop)
         if skip_special_tokens:
             return TextStream(stop, include_stop=include_stop)
-        return TextStream(stop, byte_decoder_with_specials(self.tokenizer), include_stop=include_stop)
+
+        def special_text(token_id: int) -> str:  # "<|eos|>"
+            return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+        return TextStream(stop, byte_decoder(special_text), include_stop=include_stop)
 
     # -- sampling defaults ---------------------------------------------------------------------------
 
@@ -181,27 +184,6 @@ class ModelText:
         """SamplingParams() with the checkpoint's defaults laid over ours (vLLM's
         `LLM.get_default_sampling_params`)."""
         return SamplingParams(**self.sampling_defaults())
-
-
-def byte_decoder_with_specials(tokenizer: Any):
-    """The byte models' incremental decoder that writes special tokens as their text (`<|eos|>`): bytes
-    through an incremental UTF-8 decoder (never half a character), a special token after the bytes
-    before it."""
-    import codecs
-
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def decode(token_ids: Iterable[int], final: bool) -> str:
-        out = []
-        for t in token_ids:
-            if 0 <= t < NUM_BYTES:
-                out.append(utf8.decode(bytes((t,))))
-            else:
-                out.append(utf8.decode(b"", final=True) + tokenizer.decode([t], skip_special_tokens=False))
-        out.append(utf8.decode(b"", final=final))
-        return "".join(out)
-
-    return decode
 
 
 def load_model_text(model: ResolvedModel, name: str | None = None) -> ModelText:
