@@ -26,6 +26,7 @@ ALLOW_PATTERNS = [
     "special_tokens_map.json",
     "chat_template.jinja",
     "chat_template.json",
+    "additional_chat_templates/*.jinja",  # named templates, which the tokenizer loads beside the default
     "*.safetensors",
     "model.safetensors.index.json",
     "tokenizer.model",

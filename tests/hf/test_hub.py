@@ -199,4 +199,5 @@ def test_download_gets_only_what_serving_needs(monkeypatch, tmp_path):
     assert resolve_checkpoint_folder("someorg/somemodel", revision="main") == folder
     assert seen["repo_id"] == "someorg/somemodel" and seen["revision"] == "main"
     assert "*.safetensors" in seen["allow_patterns"] and "config.json" in seen["allow_patterns"]
+    assert "additional_chat_templates/*.jinja" in seen["allow_patterns"]  # the tokenizer reads them
     assert not any(p.endswith(".bin") for p in seen["allow_patterns"])
