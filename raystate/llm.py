@@ -257,6 +257,8 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
         if len(params) != len(items):
             raise InvalidRequest("sampling_params", f"one per prompt ({len(items)})", len(params))
+        encoded = {id(p): self.text.with_bad_words_encoded(p) for p in params}  # words: the engine's ids
+        params = [encoded[id(p)] for p in params]
         if self.cluster is not None:
             return self._generate_ray(items, params, use_tqdm)
         children, outputs, groups = self._expand(items, params)

@@ -85,6 +85,13 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     # (`raystate.fanout.child_requests`), the later ones forked from the first (they share its prompt
     # KV); the engine itself takes n = 1 only.
     n: int = 1
+    # vLLM's bad_words: token sequences never to be generated (penalties.py). The engine takes them as ids,
+    # `bad_words_token_ids`: a sequence's last token is -inf where the output so far ends with the rest
+    # of it (a one-token sequence: always). The text front ends (LLM, the OpenAI server) encode
+    # `bad_words` into those ids with the model's tokenizer (`ModelText.bad_words_token_ids`: each word
+    # as it starts the text and after a space) and clear it; the engine refuses the text itself.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     @property
     def structured(self) -> bool:
@@ -106,6 +113,7 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
             or self.logit_bias
             or self.min_tokens
             or self.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
         )
 
     def validate(self, vocab_size: int) -> None:
@@ -155,6 +163,15 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
             bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab_size]
             if bad:
                 raise InvalidRequest("allowed_token_ids", f"token ids in [0, {vocab_size})", bad[0])
+        if self.bad_words is not None:
+            raise InvalidRequest(
+                "bad_words",
+                "unset here: the engine takes bad_words_token_ids (LLM and the OpenAI server encode "
+                "bad_words into them with the model's tokenizer)",
+                self.bad_words,
+            )
+        if self.bad_words_token_ids is not None:
+            _check_bad_words_token_ids(self.bad_words_token_ids, vocab_size)
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequest("min_p", "a number in [0, 1]", self.min_p)
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -193,12 +210,30 @@ MAX_REPETITION_PENALTY = 2.0
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 MAX_ALLOWED_TOKEN_IDS = 1024
 MAX_BIAS_VALUE = 100.0
+MAX_BAD_WORDS = 128  # bad_words: words per request (each is one or two token sequences)
+MAX_BAD_WORD_SEQUENCES = 2 * MAX_BAD_WORDS  # bad_words_token_ids: sequences per request
+MAX_BAD_WORD_TOKENS = 16  # tokens per sequence (the worker compares the output's last 15 with a prefix)
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
 MAX_JSON_SCHEMA_CHARS = 65536
 MAX_GRAMMAR_CHARS = 65536  # regex, grammar, and the choice strings together
 MAX_CHOICE_STRINGS = 1024
 STRUCTURED_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_N = 128  # choices per prompt
+
+
+def _check_bad_words_token_ids(seqs: object, vocab_size: int) -> None:
+    """0..MAX_BAD_WORD_SEQUENCES lists of 1..MAX_BAD_WORD_TOKENS ids in [0, vocab_size)."""
+    field = "bad_words_token_ids"
+    if not isinstance(seqs, list) or not all(isinstance(s, list) for s in seqs):
+        raise InvalidRequest(field, "a list of token id lists", type(seqs).__name__)
+    if len(seqs) > MAX_BAD_WORD_SEQUENCES:
+        raise InvalidRequest(field, f"at most {MAX_BAD_WORD_SEQUENCES} sequences", len(seqs))
+    for s in seqs:
+        if not 1 <= len(s) <= MAX_BAD_WORD_TOKENS:
+            raise InvalidRequest(field, f"sequences of 1 to {MAX_BAD_WORD_TOKENS} tokens", len(s))
+        bad = [t for t in s if not _is_int(t) or not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(field, f"token ids in [0, {vocab_size})", bad[0])
 
 
 def _check_choice(choice: object) -> None:

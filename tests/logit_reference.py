@@ -1,7 +1,6 @@
-"""The plain per-token reference of the logit controls (allowed_token_ids, logit_bias, min_tokens,
-penalties), shared by the
-worker's and the engine's tests. Importable from every test folder: tests/conftest.py puts tests/ on
-sys.path."""
+"""The plain per-token reference of the logit controls (allowed_token_ids, bad_words_token_ids,
+logit_bias, min_tokens, penalties), shared by the worker's and the engine's tests. Importable from every
+test folder: tests/conftest.py puts tests/ on sys.path."""
 
 from __future__ import annotations
 
@@ -25,6 +24,10 @@ def reference_row(
         for t in range(x.shape[0]):
             if t not in keep:
                 x[t] = float("-inf")
+    for seq in p.bad_words_token_ids or ():
+        *prefix, last = seq
+        if len(output) >= len(prefix) and output[len(output) - len(prefix) :] == prefix:
+            x[last] = float("-inf")
     for t, b in (p.logit_bias or {}).items():
         x[t] = x[t] + torch.tensor(b, dtype=torch.float32)
     if len(output) < p.min_tokens:

@@ -5,7 +5,7 @@ Unknown request fields are ignored, as vLLM ignores them (OpenAI's SDKs send fie
 logs one warning per request naming them. Fields whose JSON type is a union (`prompt`, `stop`, message
 `content`, `tool_choice`) are checked by our own validators, so that a validation error's location is
 always the field's own name (`prompt`, `messages[0].role`) and never a pydantic union tag. Parameters
-raystate does not implement (`_NEUTRAL_ONLY`: `suffix`, vLLM's `guided_*` and others) are accepted only
+raystate does not implement (`_NEUTRAL_ONLY`: `suffix`, vLLM's beam search and others) are accepted only
 at their neutral value (and `best_of` only equal to `n`), so a client that relies on them gets a 400
 naming the field instead of a quietly different answer.
 
@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from raystate.messages import MAX_CHOICE_STRINGS, MAX_GRAMMAR_CHARS, MAX_N
+from raystate.messages import MAX_BAD_WORDS, MAX_CHOICE_STRINGS, MAX_GRAMMAR_CHARS, MAX_N
 
 # -- limits ---------------------------------------------------------------------------------------------
 # The body as a whole is capped by the ingress (max_body_bytes, 1 MiB by default); these bound what one
@@ -277,7 +277,6 @@ def _true_or_unset(v: Any) -> bool:
 _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_unset, "suffix is not supported"),
     # vLLM's extensions that its clients send and raystate does not implement
-    "bad_words": (_unset, "not supported"),
     "use_beam_search": (_unset, "beam search is not supported"),
     "spaces_between_special_tokens": (_true_or_unset, "only true is supported"),
 }
@@ -368,8 +367,9 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool | None = None
     # vLLM's: only these ids may be sampled (checked by SamplingParams.validate, naming the field)
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words never to be generated (encoded by ModelText.bad_words_token_ids, which names the field)
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     # vLLM's extensions raystate does not implement: a 400 unless neutral (_NEUTRAL_ONLY), not ignored
-    bad_words: Any = None
     use_beam_search: Any = None
     spaces_between_special_tokens: Any = None
 

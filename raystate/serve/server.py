@@ -425,6 +425,7 @@ class RaystateServer:
             min_p=req.min_p if req.min_p is not None else defaults.get("min_p", 0.0),
             min_tokens=req.min_tokens or 0,
             allowed_token_ids=req.allowed_token_ids,
+            bad_words_token_ids=self.text.bad_words_token_ids(req.bad_words) if req.bad_words else None,
             **(structured if structured is not None else _structured(req)),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

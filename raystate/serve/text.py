@@ -24,10 +24,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
+
 from raystate.engine_args import ResolvedModel, load_tokenizer, with_local_checkpoint
 from raystate.errors import InvalidRequest
 from raystate.hf.generation_config import GenerationDefaults, load_generation_defaults
-from raystate.messages import SamplingParams
+from raystate.messages import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SamplingParams
 from raystate.serve.detokenize import TextStream, byte_decoder
 
 REFERENCE_ARCHITECTURE = "raystate_hybrid"
@@ -83,6 +85,42 @@ class ModelText:
         if self.is_hf:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return self.tokenizer.encode(text, add_bos=add_special_tokens)
+
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """vLLM's bad_words as the engine takes them (`SamplingParams.bad_words_token_ids`): each word, its
+        leading whitespace dropped, encoded without special tokens as it would start the text, and again
+        after a space where that makes another first token in as many tokens (the word in mid-text, for
+        tokenizers that fold the space into the word's token). InvalidRequest names `bad_words`."""
+        if not isinstance(words, list | tuple) or not all(isinstance(w, str) for w in words):
+            raise InvalidRequest("bad_words", "a list of strings", type(words).__name__)
+        if len(words) > MAX_BAD_WORDS:
+            raise InvalidRequest("bad_words", f"at most {MAX_BAD_WORDS} words", len(words))
+        seqs: list[list[int]] = []
+        for word in words:
+            word = word.lstrip()
+            if not word:
+                raise InvalidRequest("bad_words", "words with a character other than whitespace", "")
+            try:
+                alone = self.encode(word, add_special_tokens=False)
+                spaced = self.encode(" " + word, add_special_tokens=False)
+            except InvalidRequest as e:  # the tokenizer's "text"
+                raise InvalidRequest("bad_words", e.limit, e.got) from None
+            if not alone or not spaced:
+                raise InvalidRequest("bad_words", "words the tokenizer encodes to some token", word[:40])
+            for ids in (alone, spaced) if spaced[0] != alone[0] and len(spaced) == len(alone) else (alone,):
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    limit = f"words of at most {MAX_BAD_WORD_TOKENS} tokens"
+                    raise InvalidRequest("bad_words", limit, f"{word[:40]!r}: {len(ids)} tokens")
+                if ids not in seqs:
+                    seqs.append(ids)
+        return seqs
+
+    def with_bad_words_encoded(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its bad_words encoded into bad_words_token_ids (unchanged without bad_words)."""
+        if params.bad_words is None:
+            return params
+        seqs = [*(params.bad_words_token_ids or ()), *self.bad_words_token_ids(params.bad_words)]
+        return msgspec.structs.replace(params, bad_words=None, bad_words_token_ids=seqs or None)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """The text of ids, by default with the special tokens left out (as outputs are shown)."""

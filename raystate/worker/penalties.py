@@ -7,6 +7,9 @@ shapes, so it also runs inside the captured decode graph. In order, on the raw l
 are affected too; temperature, top-k, top-p and min_p come after, in the sampler):
 
 0. allowed_token_ids: every other token is -inf (a scatter of the slot's id list into a mask).
+   bad_words_token_ids: a sequence's last token is -inf where the output so far ends with the rest of
+   it (a one-token sequence: always). Each slot keeps its output's last 15 ids (`recent`, advanced by
+   `count` as the counts are), compared with every sequence's prefix at once.
 1. logit_bias: the request's (id, value) pairs are added (a scatter_add over a sparse per-slot list).
 2. min_tokens: while the output has fewer than min_tokens tokens, EOS (unless ignore_eos) and the
    stop_token_ids are -inf.
@@ -26,6 +29,9 @@ Per-slot device memory, R = max_num_seqs, plus the scratch slot of padded graph 
   column past the vocabulary that is dropped), allowed ids int64 [R + 1, 1024] (padding: V), stop ids
   int64 [R + 1, 1024 + #EOS], and a few [R + 1] vectors (flags, penalty values, min_tokens, prompt
   length).
+- bad words, S = 256 sequences of at most T = 16 tokens: prefixes int64 [R + 1, S, T - 1] right-aligned
+  (padding -1: any token), last tokens int64 [R + 1, S] (padding V), the output's last T - 1 ids int64
+  [R + 1, T - 1] right-aligned (padding -2: no token yet, equal to no id): 2.2 MB for 64 slots.
 """
 
 from __future__ import annotations
@@ -35,11 +41,19 @@ import torch
 
 from raystate.messages import (
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_SEQUENCES,
+    MAX_BAD_WORD_TOKENS,
     MAX_LOGIT_BIAS,
     MAX_STOP_TOKEN_IDS,
     NewRequest,
     SamplingParams,
 )
+
+# bad words: a prefix position that any token matches (the sequence is shorter), and an output position
+# that has no token yet (matched by no prefix id, nor by the padding)
+_ANY_TOKEN = -1
+_NO_TOKEN = -2
+_PREFIX = MAX_BAD_WORD_TOKENS - 1  # a sequence's tokens before its last
 
 
 class LogitControls:
@@ -65,6 +79,11 @@ class LogitControls:
         # allowed_token_ids: the list (padding V) and whether the slot restricts at all
         self.allowed_ids = torch.full((n, MAX_ALLOWED_TOKEN_IDS), v, dtype=torch.int64, device=device)
         self.restricted = torch.zeros(n, dtype=torch.bool, device=device)  # bool [R + 1]
+        # bad_words_token_ids: each sequence's prefix (right-aligned) and last token; the output's tail
+        s = MAX_BAD_WORD_SEQUENCES
+        self.bad_prefix = torch.full((n, s, _PREFIX), _ANY_TOKEN, dtype=torch.int64, device=device)
+        self.bad_last = torch.full((n, s), v, dtype=torch.int64, device=device)  # int64 [R + 1, S]
+        self.recent = torch.full((n, _PREFIX), _NO_TOKEN, dtype=torch.int64, device=device)
         self.max_stop_ids = MAX_STOP_TOKEN_IDS + len(self.eos_token_ids)
         self.stop_ids = torch.full((n, self.max_stop_ids), v, dtype=torch.int64, device=device)
 
@@ -100,6 +119,18 @@ class LogitControls:
         allowed[: len(p.allowed_token_ids or ())] = p.allowed_token_ids or []
         self.allowed_ids[slot].copy_(torch.from_numpy(allowed))
         self.restricted[slot] = p.allowed_token_ids is not None
+        prefix = np.full((MAX_BAD_WORD_SEQUENCES, _PREFIX), _ANY_TOKEN, dtype=np.int64)
+        last = np.full(MAX_BAD_WORD_SEQUENCES, v, dtype=np.int64)
+        for i, seq in enumerate(p.bad_words_token_ids or ()):
+            last[i] = seq[-1]
+            if len(seq) > 1:
+                prefix[i, _PREFIX - len(seq) + 1 :] = seq[:-1]
+        self.bad_prefix[slot].copy_(torch.from_numpy(prefix))
+        self.bad_last[slot].copy_(torch.from_numpy(last))
+        self.recent[slot].fill_(_NO_TOKEN)
+        k = min(out.shape[0], _PREFIX)
+        if k:
+            self.recent[slot, _PREFIX - k :] = out[out.shape[0] - k :]
         stops = np.full(self.max_stop_ids, v, dtype=np.int64)
         if p.min_tokens:
             ids_ = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
@@ -134,6 +165,14 @@ class LogitControls:
         allowed.scatter_(1, self.allowed_ids[slots], True)
         keep = allowed[:, :v] | ~self.restricted[slots].unsqueeze(1)
         x = x.masked_fill(~keep, float("-inf"))
+        # 0b. bad words: the sequences whose prefix the output ends with ban their last token (the others'
+        # index is V, the dropped column).
+        tail = self.recent[slots].unsqueeze(1)  # int64 [B, 1, T - 1]
+        prefix = self.bad_prefix[slots]  # int64 [B, S, T - 1]
+        hit = ((prefix == tail) | (prefix == _ANY_TOKEN)).all(dim=-1)  # bool [B, S]
+        banned = torch.zeros((b, v + 1), dtype=torch.bool, device=logits.device)
+        banned.scatter_(1, torch.where(hit, self.bad_last[slots], v), True)
+        x = x.masked_fill(banned[:, :v], float("-inf"))
         # 1. logit_bias: padding entries (id V) land in a column past the vocabulary, dropped.
         bias = torch.zeros((b, v + 1), dtype=logits.dtype, device=logits.device)
         bias.scatter_add_(1, self.bias_ids[slots], self.bias_values[slots])
@@ -160,7 +199,10 @@ class LogitControls:
 
     def count(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
         """Adds this step's sampled ids (int [B], on the device; a failed row's FAILED_ROW counts as 0) to
-        the rows' output counts. Rows must have distinct slots, except padding rows on the scratch slot."""
+        the rows' output counts and output tails. Rows must have distinct slots, except padding rows on the
+        scratch slot."""
         v = self.vocab_size
-        flat = slots.to(torch.int64) * v + ids.to(torch.int64).clamp(0, v - 1)
-        self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        slots = slots.to(torch.int64)
+        ids = ids.to(torch.int64).clamp(0, v - 1)
+        self.counts.view(-1).scatter_add_(0, slots * v + ids, torch.ones_like(ids, dtype=torch.int32))
+        self.recent[slots] = torch.cat([self.recent[slots, 1:], ids.unsqueeze(1)], dim=1)

@@ -154,3 +154,48 @@ def test_allowed_token_ids_keep_every_token_in_the_list(make_llm):
     for k, token in enumerate(outs[0].token_ids):
         want = reference_row(rows[len(prompts[0]) + k - 1], params[0], prompts[0], outs[0].token_ids[:k], eos)
         assert int(want.argmax()) == token
+
+
+def test_bad_words_never_end_the_output_and_follow_the_reference(make_llm):
+    """bad_words_token_ids: the plain output's own pairs and single tokens are banned, so each choice
+    avoids them (greedy and sampled); every greedy token is the reference's argmax. bad_words text goes
+    through the model's tokenizer (the byte model: its UTF-8 bytes) into the same ids."""
+    llm, log = make_llm()
+    eos = llm.engine.worker.controls.eos_token_ids
+    prompts = _prompts(5, 3)
+    plain = llm.generate(
+        prompt_token_ids=prompts,
+        sampling_params=SamplingParams(max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
+    params = []
+    for out in plain:
+        t = out.token_ids
+        # a pair that the plain output writes at 2..3, a single token of it, a 3-token sequence
+        banned = [t[2:4], [t[6]], t[8:11]]
+        params.append(SamplingParams(max_tokens=12, ignore_eos=True, bad_words_token_ids=banned))
+    params.append(SamplingParams(max_tokens=12, temperature=1.0, seed=3, bad_words_token_ids=[[t[0]]]))
+    outs = llm.generate(prompt_token_ids=[*prompts, prompts[-1]], sampling_params=params, use_tqdm=False)
+    for out, p, prompt in zip(outs, params, [*prompts, prompts[-1]], strict=True):
+        got = out.token_ids
+        for seq in p.bad_words_token_ids:
+            windows = [got[i : i + len(seq)] for i in range(len(got) - len(seq) + 1)]
+            assert seq not in windows, (seq, got)
+        if p.temperature == 0:
+            rows = log.rows[out.request_id]
+            for k, token in enumerate(got):
+                want = reference_row(rows[len(prompt) + k - 1], p, prompt, got[:k], eos)
+                assert int(want.argmax()) == token, (p, k)
+    assert all(o.token_ids != q.token_ids for o, q in zip(outs[:3], plain, strict=True))
+    # text: encoded with the byte tokenizer, the same ids as bad_words_token_ids
+    assert llm.text.bad_words_token_ids(["  ab", "c"]) == [[97, 98], [99]]
+    printable = [t for out in plain for t in out.token_ids if 33 <= t < 127]
+    assert printable  # the fixed prompts' plain outputs write some ASCII character
+    word = chr(printable[0])
+    i = next(k for k, out in enumerate(plain) if printable[0] in out.token_ids)
+    banned = llm.generate(
+        prompt_token_ids=prompts[i : i + 1],
+        sampling_params=SamplingParams(max_tokens=12, ignore_eos=True, bad_words=[word]),
+        use_tqdm=False,
+    )[0]
+    assert printable[0] not in banned.token_ids and banned.token_ids != plain[i].token_ids

@@ -193,3 +193,24 @@ def test_legacy_special_tokens_map_and_model_specific_tokens(checkpoints, tmp_pa
     assert ours.apply_chat_template(msgs) == hf.apply_chat_template(
         msgs, tokenize=False, add_generation_prompt=True
     )
+
+
+def test_bad_words_encode_each_word_at_the_start_and_after_a_space(pair):
+    """vLLM's rule for bad_words on transformers' ids: the word (leading whitespace dropped) as it starts
+    the text, and after a space where that gives another first token in as many tokens."""
+    from raystate.serve.text import ModelText
+
+    ours, hf = pair
+    words = ["Hello", "  world", "Café naïve", "日本語", "can't"]
+    got = ModelText(ours, is_hf=True).bad_words_token_ids(words)
+    want = []
+    for w in words:
+        alone = hf.encode(w.lstrip(), add_special_tokens=False)
+        spaced = hf.encode(" " + w.lstrip(), add_special_tokens=False)
+        for ids in [alone, spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [alone]:
+            if ids not in want:
+                want.append(ids)
+    assert got == want
+    assert len(got) > len(words)  # some word's mid-text form is its own sequence
+    with pytest.raises(InvalidRequest, match="bad_words"):
+        ModelText(ours, is_hf=True).bad_words_token_ids(["\ud800"])

@@ -291,3 +291,21 @@ def test_allowed_token_ids_hold_the_output_to_the_list(app):
     for bad in ([], [10**6]):
         r = app.post("/v1/completions", body | {"allowed_token_ids": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+
+
+def test_bad_words_keep_their_tokens_out_of_the_output(app):
+    """vLLM's bad_words (was refused): a word is never written on either route; a blank word, one past 16
+    tokens, more than 128 words, or a string in place of the list is a 400 naming the field."""
+    body = {"model": MODEL, "prompt": "Go", "max_tokens": 12, "ignore_eos": True, "return_token_ids": True}
+    plain = app.post("/v1/completions", body).json()["choices"][0]["token_ids"]
+    printable = [t for t in plain if 33 <= t < 127]
+    assert printable  # the byte model's greedy answer to "Go" writes some ASCII character
+    r = app.post("/v1/completions", body | {"bad_words": [chr(printable[0]), "zz"]})
+    got = r.json()["choices"][0]["token_ids"]
+    assert printable[0] not in got and got != plain, (plain, got)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Go"}], "max_tokens": 6}
+    r = app.post("/v1/chat/completions", chat | {"bad_words": ["a", "e"]})
+    assert r.status_code == 200 and not {"a", "e"} & set(r.json()["choices"][0]["message"]["content"]), r.text
+    for bad in (["  "], [""], ["x" * 17], ["w"] * 129, "x"):
+        r = app.post("/v1/completions", body | {"bad_words": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text

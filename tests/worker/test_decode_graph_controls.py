@@ -1,6 +1,6 @@
-"""The decode-graph step with logit controls in the batch (penalties, logit_bias, min_tokens), run eagerly
-on the CPU (an uncaptured `DecodeGraphs`), gives the eager path's tokens, and replays the controlled
-variant only for batches that have a controlled row."""
+"""The decode-graph step with logit controls in the batch (penalties, logit_bias, min_tokens, bad words),
+run eagerly on the CPU (an uncaptured `DecodeGraphs`), gives the eager path's tokens, and replays the
+controlled variant only for batches that have a controlled row."""
 
 from __future__ import annotations
 
@@ -32,10 +32,11 @@ def _generate(graph_path: bool, prompts, params):
 
 def test_graph_decode_with_controls_equals_eager_path():
     rng = np.random.default_rng(5)
-    prompts = [rng.integers(0, 256, 8 + 3 * i).tolist() for i in range(6)]
+    prompts = [rng.integers(0, 256, 8 + 3 * i).tolist() for i in range(7)]
     params = [
         SamplingParams(max_tokens=10, repetition_penalty=1.8, ignore_eos=True),
         SamplingParams(max_tokens=14, ignore_eos=True),  # plain
+        SamplingParams(max_tokens=12, ignore_eos=True, bad_words_token_ids=[[200], [17, 30], [5, 5, 5]]),
         SamplingParams(max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5, logit_bias={100: 2.5}),
         SamplingParams(
             max_tokens=9, temperature=0.8, seed=7, frequency_penalty=1.0, min_p=0.05, ignore_eos=True

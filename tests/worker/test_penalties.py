@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from logit_reference import reference_row
 
 from raystate.errors import InvalidRequest
-from raystate.messages import NewRequest, SamplingParams, ids_to_bytes
+from raystate.messages import MAX_BAD_WORD_TOKENS, NewRequest, SamplingParams, ids_to_bytes
 from raystate.worker.penalties import LogitControls
 from raystate.worker.sampler import Sampler
 
@@ -47,11 +47,15 @@ params_st = st.builds(
     stop_token_ids=st.lists(st.integers(0, V - 1), max_size=3),
     ignore_eos=st.booleans(),
     allowed_token_ids=st.one_of(st.none(), st.lists(st.integers(0, V - 1), min_size=1, max_size=12)),
+    # few distinct ids, so that prefixes often match the output's end
+    bad_words_token_ids=st.one_of(
+        st.none(), st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=MAX_BAD_WORD_TOKENS), max_size=6)
+    ),
 )
 row_st = st.tuples(
     params_st,
     st.lists(st.integers(0, V - 1), min_size=1, max_size=12),  # prompt
-    st.lists(st.integers(0, V - 1), max_size=10),  # output so far
+    st.one_of(st.lists(st.integers(0, V - 1), max_size=10), st.lists(st.integers(0, 3), max_size=20)),
 )
 
 
@@ -65,7 +69,12 @@ def test_batched_controls_equal_the_per_row_reference(rows, seed):
     # A previous request with other controls left its state in every slot: adding must overwrite it.
     for s in range(NUM_SLOTS - 1):
         stale = SamplingParams(
-            presence_penalty=1.5, logit_bias={1: 50.0}, min_tokens=3, max_tokens=5, allowed_token_ids=[2, 3]
+            presence_penalty=1.5,
+            logit_bias={1: 50.0},
+            min_tokens=3,
+            max_tokens=5,
+            allowed_token_ids=[2, 3],
+            bad_words_token_ids=[[9], [9, 1], [1, 2, 3]],
         )
         controls.add(
             s, _new_request("old", [5, 6], [9, 9], stale), torch.tensor([5, 6, 9, 9], dtype=torch.int32)
@@ -82,12 +91,16 @@ def test_batched_controls_equal_the_per_row_reference(rows, seed):
         assert torch.equal(got[i], want), (i, p)
         if not p.has_logit_controls:
             assert torch.equal(got[i], logits[i])  # untouched, bit for bit
-    # The step's sampled ids advance the output counts: the next step equals the reference again.
-    sampled = torch.randint(0, V, (len(rows),), generator=g)
-    controls.count(torch.tensor(slots), sampled)
-    got = controls.apply(logits, torch.tensor(slots), num_output + 1)
-    for i, (p, prompt, output) in enumerate(rows):
-        assert torch.equal(got[i], reference_row(logits[i], p, prompt, [*output, int(sampled[i])], EOS))
+    # The steps' sampled ids advance the output counts and tails: each next step equals the reference.
+    outputs = [list(o) for _, _, o in rows]
+    for step in range(3):
+        sampled = torch.randint(0, 4 if step else V, (len(rows),), generator=g)
+        controls.count(torch.tensor(slots), sampled)
+        for out, t in zip(outputs, sampled.tolist(), strict=True):
+            out.append(t)
+        got = controls.apply(logits, torch.tensor(slots), torch.tensor([len(o) for o in outputs]))
+        for i, (p, prompt, _) in enumerate(rows):
+            assert torch.equal(got[i], reference_row(logits[i], p, prompt, outputs[i], EOS)), (step, i, p)
 
 
 def test_rows_without_controls_are_bit_identical_and_the_scratch_slot_is_off():
@@ -109,6 +122,35 @@ def test_rows_without_controls_are_bit_identical_and_the_scratch_slot_is_off():
     controls.remove(1)
     out = controls.apply(logits[1:2], torch.tensor([1]), torch.tensor([1]))
     assert torch.equal(out, logits[1:2])
+
+
+def test_bad_words_ban_a_last_token_only_after_its_prefix_in_the_output():
+    controls = _controls()
+    longest = list(range(10, 10 + MAX_BAD_WORD_TOKENS))  # 15 tokens of prefix: the whole tail compared
+    p = SamplingParams(bad_words_token_ids=[[1, 2, 3], [4], longest])
+    prompt = [5, 1, 2]  # ends with the prefix [1, 2]: the prompt does not count (vLLM's rule)
+    controls.add(0, _new_request("a", prompt, [], p), torch.tensor(prompt, dtype=torch.int32))
+    logits = torch.zeros(1, V)
+
+    def banned() -> set[int]:
+        return set(
+            torch.nonzero(controls.apply(logits, torch.tensor([0]), torch.tensor([0]))[0] < -1e30)[
+                :, 0
+            ].tolist()
+        )
+
+    assert banned() == {4}
+    for t, want in [(1, {4}), (2, {3, 4}), (9, {4}), (1, {4}), (2, {3, 4}), (2, {4})]:
+        controls.count(torch.tensor([0]), torch.tensor([t]))
+        assert banned() == want, t
+    for t in longest[:-1]:
+        controls.count(torch.tensor([0]), torch.tensor([t]))
+    assert banned() == {4, longest[-1]}
+    # A request that arrives with output already (preemption, migration): its tail comes from the history.
+    output = [7, *longest[:-1]]
+    controls.add(1, _new_request("b", [5], output, p), torch.tensor([5, *output], dtype=torch.int32))
+    out = controls.apply(logits, torch.tensor([1]), torch.tensor([len(output)]))[0]
+    assert set(torch.nonzero(out < -1e30)[:, 0].tolist()) == {4, longest[-1]}
 
 
 def test_min_p_keeps_tokens_near_the_top():
@@ -155,6 +197,12 @@ def test_new_fields_are_off_by_default_and_omitted_on_the_wire():
         ("min_tokens", -1),
         ("min_tokens", 17),  # > max_tokens
         ("min_tokens", 1.0),
+        ("bad_words", ["x"]),  # text: a front end encodes it
+        ("bad_words_token_ids", [[]]),
+        ("bad_words_token_ids", [[V]]),
+        ("bad_words_token_ids", [[1]] * 257),
+        ("bad_words_token_ids", [list(range(17))]),
+        ("bad_words_token_ids", [1, 2]),
     ],
 )
 def test_validation_names_the_field(field, value):
@@ -172,4 +220,5 @@ def test_valid_extremes_pass():
         logit_bias={i: -100.0 for i in range(300)},
         min_p=1.0,
         min_tokens=4,
+        bad_words_token_ids=[[299] * 16] * 256,
     ).validate(300)
