@@ -5,7 +5,7 @@ Unknown request fields are ignored, as vLLM ignores them (OpenAI's SDKs send fie
 logs one warning per request naming them. Fields whose JSON type is a union (`prompt`, `stop`, message
 `content`, `tool_choice`) are checked by our own validators, so that a validation error's location is
 always the field's own name (`prompt`, `messages[0].role`) and never a pydantic union tag. Parameters
-raystate does not implement (`_NEUTRAL_ONLY`: `suffix`, vLLM's beam search and others) are accepted only
+raystate does not implement (`_NEUTRAL_ONLY`: `suffix` and vLLM's `use_beam_search`) are accepted only
 at their neutral value (and `best_of` only equal to `n`), so a client that relies on them gets a 400
 naming the field instead of a quietly different answer.
 
@@ -270,15 +270,10 @@ def _unset(v: Any) -> bool:
 # Parameters raystate does not implement, accepted only at their neutral value: field -> (whether a value
 # is neutral, the 400's message). One table for both endpoints (a field absent from a request's model is
 # never checked); `_neutral_only` checks the value after pydantic has checked its type.
-def _true_or_unset(v: Any) -> bool:
-    return v is None or v is True
-
-
 _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_unset, "suffix is not supported"),
     # vLLM's extensions that its clients send and raystate does not implement
     "use_beam_search": (_unset, "beam search is not supported"),
-    "spaces_between_special_tokens": (_true_or_unset, "only true is supported"),
 }
 
 
@@ -369,9 +364,12 @@ class _SamplingFields(_Request):
     allowed_token_ids: list[int] | None = None
     # vLLM's: words never to be generated (encoded by ModelText.bad_words_token_ids, which names the field)
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    # vLLM's: changes nothing either way. vLLM's detokenizer for a tokenizer.json tokenizer (every
+    # tokenizer raystate loads; the byte models' likewise) writes special tokens' text with no space
+    # between them whatever this says; only its transformers "slow" tokenizers read it.
+    spaces_between_special_tokens: bool | None = None
     # vLLM's extensions raystate does not implement: a 400 unless neutral (_NEUTRAL_ONLY), not ignored
     use_beam_search: Any = None
-    spaces_between_special_tokens: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod

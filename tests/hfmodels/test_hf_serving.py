@@ -510,8 +510,9 @@ def test_serve_app_template_error_is_a_400(serve_app):
 
 def test_skip_special_tokens_false_writes_their_text(qwen3_app, checkpoints):
     """vLLM's skip_special_tokens: false writes special tokens' text (a logit_bias makes the tiny model
-    write <|im_start|>); the token that ends the request (EOS) writes none unless
-    include_stop_str_in_output keeps it, and a stop_token_ids id likewise."""
+    write <|im_start|>), with no space between them whatever spaces_between_special_tokens says; the
+    token that ends the request (EOS) writes none unless include_stop_str_in_output keeps it, and a
+    stop_token_ids id likewise."""
     tok = hf_tokenizer(checkpoints["qwen3"])
     start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     body = {"prompt": "Hi", "max_tokens": 3, "temperature": 0, "return_token_ids": True}
@@ -523,6 +524,10 @@ def test_skip_special_tokens_false_writes_their_text(qwen3_app, checkpoints):
     streamed = qwen3_app.post("/v1/completions", forced | {"skip_special_tokens": False, "stream": True})
     deltas = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert "".join(d["choices"][0]["text"] for d in deltas) == "<|im_start|>" * 3
+    for spaces in (True, False):  # vLLM's: read by transformers' slow tokenizers only, so no space either way
+        again = forced | {"skip_special_tokens": False, "spaces_between_special_tokens": spaces}
+        c = qwen3_app.post("/v1/completions", again).json()["choices"][0]
+        assert c["text"] == tok.decode(c["token_ids"], skip_special_tokens=False) == "<|im_start|>" * 3
 
     ending = body | {"logit_bias": {str(end): 100}, "skip_special_tokens": False}
     stopped = qwen3_app.post("/v1/completions", ending).json()["choices"][0]

@@ -187,11 +187,6 @@ def test_hostile_body_is_a_400(open_app, body):
 # the answer, accepted at the neutral value (None, or true where true is what raystate does)
 UNSUPPORTED_EXTENSIONS = [
     ('"use_beam_search": true', '"use_beam_search": false', "use_beam_search"),
-    (
-        '"spaces_between_special_tokens": false',
-        '"spaces_between_special_tokens": true',
-        "spaces_between_special_tokens",
-    ),
 ]
 
 
