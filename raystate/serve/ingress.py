@@ -13,9 +13,10 @@ cross-site form posts).
 The request head's own deadline cannot live here (the ASGI app sees a request only once its head is
 complete): see proxy_guard.py.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize and POST
-/detokenize (vLLM's), GET /version, GET /health (a real one-token step), GET /metrics (Prometheus, our
-series and vLLM's), GET /status (raystate extension: the backend's `Client.status()`).
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (OpenAI's Responses API, as a
+chat), GET /v1/models, POST /tokenize and POST /detokenize (vLLM's), GET /version, GET /health (a real
+one-token step), GET /metrics (Prometheus, our series and vLLM's), GET /status (raystate extension: the
+backend's `Client.status()`).
 
 Unknown request fields are ignored with one warning per request naming them (as vLLM does); a `model`
 this server does not serve is a 404 (`NotFoundError`, as vLLM answers it).
@@ -50,6 +51,7 @@ from raystate.serve.protocol import (
     first_error,
     load_body,
 )
+from raystate.serve.responses import ResponsesRequest
 from raystate.serve.server import ModelNotFound, RaystateServer, ServerShuttingDown
 
 logger = logging.getLogger(__name__)
@@ -422,6 +424,15 @@ def create_api(
         _require_json(request)
         req = _parse(ChatCompletionRequest, await _read_json(request, max_body_bytes))
         return _respond(await server.chat(req), bool(req.return_token_ids))
+
+    @api.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        _require_json(request)
+        req = _parse(ResponsesRequest, await _read_json(request, max_body_bytes))
+        result = await server.responses(req)
+        if isinstance(result, EventStream):
+            return SSEResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+        return JSONResponse(result)
 
     @api.get("/v1/models")
     async def models() -> JSONResponse:

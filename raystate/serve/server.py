@@ -80,6 +80,7 @@ from raystate.serve.protocol import (
     template_tools,
 )
 from raystate.serve.reasoning import REASONING_PARSERS, ThinkStream, prompt_opens_thinking
+from raystate.serve.responses import ResponsesRequest, ResponseWriter, TurnSplitter, renamed, to_chat
 from raystate.serve.text import ModelText, model_text_for_config
 
 logger = logging.getLogger(__name__)
@@ -108,15 +109,19 @@ def _sse(payload: BaseModel, keep_token_ids: bool) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def _stream_error(exc: BaseException) -> str:
+def _stream_error_body(exc: BaseException) -> dict:
+    """The error body of a stream that failed after its headers were sent."""
     if isinstance(exc, InvalidRequest):
-        body = error_body(str(exc), "invalid_request_error", exc.field)
-    elif isinstance(exc, RequestFailed):  # our own one-line reason (no traceback, no paths)
-        body = error_body(f"the request failed: {exc}", "internal_error")
-    else:  # EngineDead may carry the scheduler actor's traceback: it goes to the log, not to the client
-        logger.warning("stream failed: %s", exc, exc_info=not isinstance(exc, EngineDead))
-        body = error_body(f"generation failed: {type(exc).__name__}", "internal_error")
-    return f"data: {json.dumps(body)}\n\n"
+        return error_body(str(exc), "invalid_request_error", exc.field)
+    if isinstance(exc, RequestFailed):  # our own one-line reason (no traceback, no paths)
+        return error_body(f"the request failed: {exc}", "internal_error")
+    # EngineDead may carry the scheduler actor's traceback: it goes to the log, not to the client
+    logger.warning("stream failed: %s", exc, exc_info=not isinstance(exc, EngineDead))
+    return error_body(f"generation failed: {type(exc).__name__}", "internal_error")
+
+
+def _stream_error(exc: BaseException) -> str:
+    return f"data: {json.dumps(_stream_error_body(exc))}\n\n"
 
 
 @dataclass(frozen=True)
@@ -647,6 +652,55 @@ class RaystateServer:
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | EventStream:
         return await self._respond(self._prepare_chat(req), req.stream, _CHAT)
 
+    async def responses(self, req: ResponsesRequest) -> dict[str, Any] | EventStream:
+        """OpenAI's Responses API: the request run as a chat (`raystate.serve.responses`), its answer
+        written as output items; an error names the Responses field."""
+        chat, rename = to_chat(req)
+        try:
+            prep = self._prepare_chat(chat)
+            prep.request_id = f"resp_{uuid.uuid4().hex}"
+            gens = await self._start(prep)
+        except InvalidRequest as e:
+            raise renamed(e, rename) from None
+        writer = ResponseWriter(req, prep.request_id, self.model_name, prep.created, prep.sampling)
+        if req.stream:
+            events = self._response_events(gens, prep, writer, catch=True)
+            cut = lambda why: writer.fail(why, "server_shutting_down")  # noqa: E731
+            return EventStream(self._cuttable(events, cut), gens)
+        events = self._response_events(gens, prep, writer, catch=False)  # an error: the route's answer
+        try:
+            async with self._until_cut():
+                async for _ in events:
+                    pass
+        finally:
+            await events.aclose()
+            await close_all(gens)
+        return writer.response()
+
+    async def _response_events(
+        self, gens: list[Generation], prep: Prepared, writer: ResponseWriter, catch: bool
+    ) -> AsyncIterator[str]:
+        """A response's events, from response.created to its end; with `catch`, a generation that fails
+        ends them with response.failed (a stream whose headers are sent), else its error is raised."""
+        split = TurnSplitter(prep.reasoning_stream, prep.tool_stream)
+        for event in writer.start():
+            yield event
+        reason = None
+        try:
+            async with contextlib.aclosing(merged_deltas(gens)) as deltas:
+                async for _, d in deltas:
+                    reason = d.finish_reason or reason
+                    for event in writer.feed(*split.feed(d.text, d.finish_reason is not None)):
+                        yield event
+        except Exception as e:
+            if not catch:
+                raise
+            for event in writer.fail(_stream_error_body(e)["error"]["message"]):
+                yield event
+            return
+        for event in writer.finish(reason, total_usage(gens)):
+            yield event
+
     async def _respond(self, prep: Prepared, stream: bool | None, shape: _Shape) -> BaseModel | EventStream:
         """Starts the request, then answers with the whole response or with its event stream."""
         gens = await self._start(prep)
@@ -974,8 +1028,11 @@ class RaystateServer:
             async for _ in deltas:
                 pass
 
-    async def _cuttable(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
-        """`events` as they come; at the drain's cut, an error event and `data: [DONE]` instead.
+    async def _cuttable(
+        self, events: AsyncIterator[str], on_cut: Callable[[str], list[str]] | None = None
+    ) -> AsyncIterator[str]:
+        """`events` as they come; at the drain's cut, an error event and `data: [DONE]` instead (or the
+        events `on_cut` makes of the reason: a response's response.failed).
 
         Only the wait for the next event is bounded, never the `yield`: a cut that landed while the event
         is being sent would cancel the ASGI server's send instead of ending the stream here. Cutting the
@@ -1002,6 +1059,10 @@ class RaystateServer:
                 yield event
         finally:
             await events.aclose()
+        if on_cut is not None:
+            for event in on_cut(self._cut_message("stream")):
+                yield event
+            return
         body = error_body(self._cut_message("stream"), "service_unavailable", None, "server_shutting_down")
         yield f"data: {json.dumps(body)}\n\n"
         yield SSE_DONE
