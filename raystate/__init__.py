@@ -4,12 +4,14 @@ Light on import: configs and wire types only. `LLM` and `RequestOutput` load on 
 `import raystate.scheduler` (which runs this file) never pulls in torch.
 """
 
+from raystate.beam_search import BeamSearchParams
 from raystate.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from raystate.errors import InvalidRequest
 from raystate.messages import SamplingParams
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "CacheConfig",
     "EngineConfig",
     "InvalidRequest",

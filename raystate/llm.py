@@ -25,6 +25,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from raystate.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from raystate.engine_args import (
     BACKENDS,
     Backend,
@@ -32,7 +33,7 @@ from raystate.engine_args import (
     build_engine_config,
     resolve_engine_model,
 )
-from raystate.errors import InvalidRequest
+from raystate.errors import InvalidRequest, RequestFailed
 from raystate.fanout import ChildRequest, child_requests
 from raystate.messages import SamplingParams, unpack_logprobs
 from raystate.serve.text import load_model_text
@@ -171,6 +172,68 @@ class LLM:
         if prompt_token_ids and isinstance(prompt_token_ids[0], int):
             prompt_token_ids = [prompt_token_ids]
         return [(None, list(ids)) for ids in prompt_token_ids]
+
+    def beam_search(
+        self,
+        prompts: str | Sequence[str | Sequence[int] | Mapping[str, Any]],
+        params: BeamSearchParams,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the `params.beam_width` best continuations of each prompt (a string,
+        token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}), best first
+        (`raystate.beam_search`). Every step runs the live beams of all prompts as one `generate` call
+        of one greedy token with 2 * beam_width logprobs each."""
+        params.validate()
+        items = []
+        for i, p in enumerate([prompts] if isinstance(prompts, str) else list(prompts)):
+            if isinstance(p, Mapping):
+                p = p.get("prompt_token_ids", p.get("prompt"))
+            if isinstance(p, str):
+                items.append(self.text.encode(p))
+            elif isinstance(p, Sequence) and p and all(isinstance(t, int) for t in p):
+                items.append(list(p))
+            else:
+                raise InvalidRequest(
+                    f"prompts[{i}]", "a string or a non-empty list of token ids", type(p).__name__
+                )
+        room = self.config.max_model_len
+        for ids in items:
+            if len(ids) + params.max_tokens > room:
+                limit = f"<= {room - len(ids)} (max_model_len={room}; the prompt has {len(ids)} tokens)"
+                raise InvalidRequest("max_tokens", limit, params.max_tokens)
+        eos = frozenset(self.config.model.eos_token_ids)
+        searches = [
+            BeamSearch(
+                ids, params.beam_width, params.max_tokens, eos, params.ignore_eos, params.length_penalty
+            )
+            for ids in items
+        ]
+        k = 2 * params.beam_width
+        step = SamplingParams(max_tokens=1, logprobs=k, ignore_eos=True)
+        while todo := [(s, beams) for s in searches if (beams := s.pending())]:
+            outs = self.generate(
+                prompt_token_ids=[ids for _, beams in todo for ids in beams],
+                sampling_params=step,
+                use_tqdm=False,
+            )
+            at = 0
+            for search, beams in todo:
+                alternatives = []
+                for out in outs[at : at + len(beams)]:
+                    if out.finish_reason == "error" or not out.logprobs:
+                        raise RequestFailed(f"beam search: a step failed: {out.error}")
+                    ranked = sorted(out.logprobs[0].items(), key=lambda kv: kv[1].rank)[:k]
+                    alternatives.append([(t, lp.logprob) for t, lp in ranked])
+                search.advance(alternatives)
+                at += len(beams)
+        results = []
+        for search in searches:
+            sequences = []
+            for beam in search.best():
+                out_ids = beam.output_ids[:-1] if beam.ended else beam.output_ids
+                text = self.text.decode(out_ids)
+                sequences.append(BeamSearchSequence(beam.tokens, text, beam.cum_logprob, beam.finish_reason))
+            results.append(BeamSearchOutput(sequences))
+        return results
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling params `generate` and `chat` use when given none: `SamplingParams()` with the

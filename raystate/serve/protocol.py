@@ -5,7 +5,7 @@ Unknown request fields are ignored, as vLLM ignores them (OpenAI's SDKs send fie
 logs one warning per request naming them. Fields whose JSON type is a union (`prompt`, `stop`, message
 `content`, `tool_choice`) are checked by our own validators, so that a validation error's location is
 always the field's own name (`prompt`, `messages[0].role`) and never a pydantic union tag. Parameters
-raystate does not implement (`_NEUTRAL_ONLY`: `suffix` and vLLM's `use_beam_search`) are accepted only
+raystate does not implement (`_NEUTRAL_ONLY`: `suffix`) are accepted only
 at their neutral value (and `best_of` only equal to `n`), so a client that relies on them gets a 400
 naming the field instead of a quietly different answer.
 
@@ -272,8 +272,6 @@ def _unset(v: Any) -> bool:
 # never checked); `_neutral_only` checks the value after pydantic has checked its type.
 _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_unset, "suffix is not supported"),
-    # vLLM's extensions that its clients send and raystate does not implement
-    "use_beam_search": (_unset, "beam search is not supported"),
 }
 
 
@@ -368,8 +366,9 @@ class _SamplingFields(_Request):
     # tokenizer raystate loads; the byte models' likewise) writes special tokens' text with no space
     # between them whatever this says; only its transformers "slow" tokenizers read it.
     spaces_between_special_tokens: bool | None = None
-    # vLLM's extensions raystate does not implement: a 400 unless neutral (_NEUTRAL_ONLY), not ignored
-    use_beam_search: Any = None
+    # vLLM's beam search: n beams per prompt (n <= 10), scored by cumulative logprob / length ** penalty
+    use_beam_search: bool | None = None
+    length_penalty: float | None = Field(None, ge=-100.0, le=100.0)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import uuid
@@ -29,10 +30,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from pydantic import BaseModel
 
+from raystate.beam_search import BeamSearch, check_beam_width, ranked_alternatives
 from raystate.client import Client
 from raystate.errors import EngineDead, InvalidRequest, RequestFailed
+from raystate.fanout import ChildRequest
 from raystate.grammar import check_grammar, check_schema
 from raystate.messages import MAX_JSON_SCHEMA_CHARS, SamplingParams, unpack_logprobs
 from raystate.serve import tool_calls
@@ -67,6 +71,7 @@ from raystate.serve.protocol import (
     FunctionCallOut,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
@@ -74,6 +79,7 @@ from raystate.serve.protocol import (
     ToolCallFunctionDelta,
     ToolCallOut,
     TopLogprob,
+    Usage,
     VersionResponse,
     dump_response,
     error_body,
@@ -134,6 +140,33 @@ class _Shape:
     choice: Callable[[int, str, str | None, list[int] | None, Any], BaseModel]
     delta: Callable[[int, str, str | None, list[int] | None, Any], BaseModel]
     opening: Callable[[int], BaseModel] | None = None  # a stream's first choice i, before any token
+
+
+def _check_beam_search(req: CompletionRequest | ChatCompletionRequest, prep: Prepared) -> None:
+    """The fields a beam search cannot honour, refused by name (each step is one token of one beam)."""
+    check_beam_width(prep.n, "n")
+    p = prep.sampling
+    asked = [
+        ("stream", bool(req.stream)),
+        ("logprobs", p.logprobs is not None),
+        ("prompt_logprobs", p.prompt_logprobs is not None),
+        ("echo", bool(getattr(req, "echo", False))),
+        ("stop", bool(req.stop)),
+        ("stop_token_ids", bool(p.stop_token_ids)),
+        ("presence_penalty", bool(p.presence_penalty)),
+        ("frequency_penalty", bool(p.frequency_penalty)),
+        ("min_tokens", bool(p.min_tokens)),
+        ("bad_words", bool(p.bad_words_token_ids)),
+        ("max_tokens", prep.prompt_only),
+    ]
+    asked += [(name, True) for name, _ in _structured_sources(req)]
+    if p.structured and not _structured_sources(req):
+        asked.append(("tool_choice", True))  # a forced call: through the grammar
+    for name, used in asked:
+        if used:
+            raise InvalidRequest(
+                name, "unset with use_beam_search (each step is one token of one beam)", "set"
+            )
 
 
 def _structured_sources(req: CompletionRequest | ChatCompletionRequest) -> list[tuple[str, dict[str, Any]]]:
@@ -647,10 +680,97 @@ class RaystateServer:
     # -- endpoints ------------------------------------------------------------------------------------
 
     async def completion(self, req: CompletionRequest) -> CompletionResponse | EventStream:
-        return await self._respond(self._prepare_completion(req), req.stream, _COMPLETIONS)
+        prep = self._prepare_completion(req)
+        if req.use_beam_search:
+            return await self._beam_search(req, prep, _COMPLETIONS)
+        return await self._respond(prep, req.stream, _COMPLETIONS)
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | EventStream:
-        return await self._respond(self._prepare_chat(req), req.stream, _CHAT)
+        prep = self._prepare_chat(req)
+        if req.use_beam_search:
+            return await self._beam_search(req, prep, _CHAT)
+        return await self._respond(prep, req.stream, _CHAT)
+
+    async def _beam_search(
+        self, req: CompletionRequest | ChatCompletionRequest, prep: Prepared, shape: _Shape
+    ) -> BaseModel:
+        """vLLM's use_beam_search: each prompt's n best beams (`raystate.beam_search`) as its n choices.
+        Every step submits one greedy token of each live beam of every prompt, with 2n logprobs; the
+        request's logit_bias, allowed_token_ids and repetition_penalty apply to those steps. What a beam
+        cannot honour (a stream, stop strings and ids, output-count penalties, min_tokens, bad_words,
+        logprobs, echo, structured output) is a 400 naming the field."""
+        _check_beam_search(req, prep)
+        sampling = prep.sampling
+        width = sampling.n
+        eos = frozenset(getattr(self.client.config.model, "eos_token_ids", ()))
+        penalty = req.length_penalty if req.length_penalty is not None else 1.0
+        searches = [
+            BeamSearch(part.ids, width, part.sampling.max_tokens, eos, sampling.ignore_eos, penalty)
+            for part in prep.prompts
+        ]
+        k = 2 * width
+        step = msgspec.structs.replace(
+            sampling, max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, n=1,
+            logprobs=k, ignore_eos=True,
+        )  # fmt: skip
+        async with self._until_cut():
+            for n_step in itertools.count():
+                todo = [(search, beams) for search in searches if (beams := search.pending())]
+                if not todo:
+                    break
+                flat = [ids for _, beams in todo for ids in beams]
+                records = await self._one_token_each(f"{prep.request_id}-beam{n_step}", flat, step)
+                at = 0
+                for search, beams in todo:
+                    search.advance([ranked_alternatives(*r, k) for r in records[at : at + len(beams)]])
+                    at += len(beams)
+        choices, completion = [], 0
+        for p, search in enumerate(searches):
+            for i, beam in enumerate(search.best()):
+                out = beam.output_ids
+                completion += len(out)
+                shown = out[:-1] if beam.ended and not prep.include_stop else out
+                text = self.text.decode(shown, skip_special_tokens=prep.skip_special_tokens)
+                ids = out if prep.return_token_ids else None
+                choices.append(self._choice(prep, shape, p * width + i, text, beam.finish_reason, ids, None))
+        prompt = sum(len(part.ids) for part in prep.prompts)
+        usage = Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=0, replayed_tokens=0),
+        )
+        return shape.response(
+            id=prep.request_id, created=prep.created, model=self.model_name, choices=choices, usage=usage
+        )
+
+    async def _one_token_each(
+        self, base_id: str, prompts: list[list[int]], step: SamplingParams
+    ) -> list[tuple[list[int], list[float]]]:
+        """One engine request of `step` (one token, with logprobs) per prompt, all submitted at once;
+        each one's logprob record as (ids, logprobs). A failure aborts the ones still running."""
+        children = [ChildRequest(f"{base_id}-{j}", ids, step, None, j) for j, ids in enumerate(prompts)]
+        streams = await self.client.generate_group(children)
+        records: list[tuple[list[int], list[float]]] = []
+        try:
+            for stream in streams:
+                blob = b""
+                async for u in stream:
+                    if u.finish_reason == "error":
+                        raise RequestFailed(u.error or "a beam search step failed")
+                    blob += u.logprobs
+                    if u.finished:
+                        break
+                ids, logprobs, _ = unpack_logprobs(blob)
+                if not len(ids):
+                    raise RequestFailed("a beam search step returned no token")
+                records.append((ids[0].tolist(), logprobs[0].tolist()))
+        except BaseException:
+            for c in children[len(records) :]:
+                with contextlib.suppress(Exception):
+                    await self.client.abort(c.req_id)
+            raise
+        return records
 
     async def responses(self, req: ResponsesRequest) -> dict[str, Any] | EventStream:
         """OpenAI's Responses API: the request run as a chat (`raystate.serve.responses`), its answer
@@ -724,39 +844,49 @@ class RaystateServer:
                     prep, gen, out_ids, bytes(gen.logprobs), gen.prompt_logprobs, True, 0
                 )
             ids = gen.token_ids if prep.return_token_ids else None
-            if prep.tool_stream is None and prep.reasoning_stream is None:
-                choices.append(shape.choice(gen.index, text, reason, ids, logprobs))
-                continue
-            thinking = None
-            if prep.reasoning_stream is not None:
-                think = prep.reasoning_stream()
-                think.feed(text)
-                think.finish()
-                text, thinking = think.answer, think.reasoning or None
-            if prep.tool_stream is None:
-                choices.append(shape.choice(gen.index, text, reason, ids, logprobs, reasoning=thinking))
-                continue
-            calls = prep.tool_stream()
-            content, _ = calls.feed(text)
-            content += calls.finish()[0]
-            made = [
-                ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
-                for c in calls.calls
-            ]
-            if (made or not calls.writes_content) and not content.strip():
-                content = None  # a turn of calls only: content null, as OpenAI sends it
-            reason = tool_calls.finish_reason(calls, reason)
-            choices.append(
-                shape.choice(
-                    gen.index, content, reason, ids, logprobs, tool_calls=made or None, reasoning=thinking
-                )
-            )
+            choices.append(self._choice(prep, shape, gen.index, text, reason, ids, logprobs))
         return shape.response(
             id=prep.request_id,
             created=prep.created,
             model=self.model_name,
             choices=choices,
             usage=total_usage(gens),
+        )
+
+    @staticmethod
+    def _choice(
+        prep: Prepared,
+        shape: _Shape,
+        index: int,
+        text: str,
+        reason: str | None,
+        ids: list[int] | None,
+        logprobs: BaseModel | None,
+    ) -> BaseModel:
+        """One choice of a whole (not streamed) response: its text split into reasoning, content and tool
+        calls where the request has a reasoning parser or tools."""
+        if prep.tool_stream is None and prep.reasoning_stream is None:
+            return shape.choice(index, text, reason, ids, logprobs)
+        thinking = None
+        if prep.reasoning_stream is not None:
+            think = prep.reasoning_stream()
+            think.feed(text)
+            think.finish()
+            text, thinking = think.answer, think.reasoning or None
+        if prep.tool_stream is None:
+            return shape.choice(index, text, reason, ids, logprobs, reasoning=thinking)
+        calls = prep.tool_stream()
+        content, _ = calls.feed(text)
+        content += calls.finish()[0]
+        made = [
+            ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+            for c in calls.calls
+        ]
+        if (made or not calls.writes_content) and not content.strip():
+            content = None  # a turn of calls only: content null, as OpenAI sends it
+        reason = tool_calls.finish_reason(calls, reason)
+        return shape.choice(
+            index, content, reason, ids, logprobs, tool_calls=made or None, reasoning=thinking
         )
 
     @staticmethod

@@ -309,3 +309,36 @@ def test_bad_words_keep_their_tokens_out_of_the_output(app):
     for bad in (["  "], [""], ["x" * 17], ["w"] * 129, "x"):
         r = app.post("/v1/completions", body | {"bad_words": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+
+
+def test_beam_search_answers_the_n_best_beams(app, monkeypatch):
+    """vLLM's use_beam_search (was refused): n choices, the beams LLM.beam_search finds for the same
+    prompt ids and length_penalty, on both routes; what a beam cannot honour is a 400 naming it."""
+    from raystate import LLM, BeamSearchParams
+
+    monkeypatch.setenv("RAYSTATE_KERNELS", "reference")
+    monkeypatch.setattr("raystate.kernels._common._reference_forced", True)
+    llm = LLM(model=MODEL, backend="inprocess", device="cpu")
+
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "n": 3, "use_beam_search": True}
+    r = app.post("/v1/completions", body | {"length_penalty": 0.5, "return_token_ids": True})
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2], r.text
+    ids = ByteTokenizer().encode("Hello")
+    [want] = llm.beam_search([ids], BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=0.5))
+    assert [c["token_ids"] for c in choices] == [s.tokens[len(ids) :] for s in want.sequences]
+    assert [c["text"] for c in choices] == [s.text for s in want.sequences]
+    assert r.json()["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2}
+    r = app.post("/v1/chat/completions", chat | {"use_beam_search": True})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    for extra, param in [
+        ({"stream": True}, "stream"),
+        ({"stop": ["x"]}, "stop"),
+        ({"frequency_penalty": 1.0}, "frequency_penalty"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"n": 11}, "n"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ]:
+        r = app.post("/v1/completions", body | extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
