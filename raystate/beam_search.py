@@ -14,7 +14,7 @@ survivors are those a search over the whole vocabulary would keep. Ties keep the
 candidates (beam by beam, each by rank). logprobs are at most 20, so width is at most 10.
 
 Torch-free: `LLM` drives it with `generate`, the OpenAI server with its client, each through
-`pending` and `advance`.
+`BeamSearchBatch.pending` and `.advance` (all prompts' beams in one engine call a step).
 """
 
 from __future__ import annotations
@@ -123,6 +123,28 @@ class BeamSearch:
     def best(self) -> list[Beam]:
         """The answer: the `width` best beams, finished or not, best first."""
         return sorted([*self.finished, *self.live], key=self.score, reverse=True)[: self.width]
+
+
+class BeamSearchBatch:
+    """Several prompts' searches stepped together: one engine call a step for every live beam of all."""
+
+    def __init__(self, searches: list[BeamSearch]) -> None:
+        self.searches = searches
+        self._counts: list[int] = []
+
+    def pending(self) -> list[list[int]]:
+        """Every search's beams to extend this step, in search order (none: all are over)."""
+        beams = [search.pending() for search in self.searches]
+        self._counts = [len(b) for b in beams]
+        return [ids for b in beams for ids in b]
+
+    def advance(self, alternatives: Sequence[Sequence[tuple[int, float]]]) -> None:
+        """The alternatives of the beams `pending` gave, in its order."""
+        at = 0
+        for search, count in zip(self.searches, self._counts, strict=True):
+            if count:
+                search.advance(alternatives[at : at + count])
+                at += count
 
 
 @dataclass

@@ -25,7 +25,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from raystate.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from raystate.beam_search import (
+    BeamSearch,
+    BeamSearchBatch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+)
 from raystate.engine_args import (
     BACKENDS,
     Backend,
@@ -209,22 +215,15 @@ class LLM:
         ]
         k = 2 * params.beam_width
         step = SamplingParams(max_tokens=1, logprobs=k, ignore_eos=True)
-        while todo := [(s, beams) for s in searches if (beams := s.pending())]:
-            outs = self.generate(
-                prompt_token_ids=[ids for _, beams in todo for ids in beams],
-                sampling_params=step,
-                use_tqdm=False,
-            )
-            at = 0
-            for search, beams in todo:
-                alternatives = []
-                for out in outs[at : at + len(beams)]:
-                    if out.finish_reason == "error" or not out.logprobs:
-                        raise RequestFailed(f"beam search: a step failed: {out.error}")
-                    ranked = sorted(out.logprobs[0].items(), key=lambda kv: kv[1].rank)[:k]
-                    alternatives.append([(t, lp.logprob) for t, lp in ranked])
-                search.advance(alternatives)
-                at += len(beams)
+        batch = BeamSearchBatch(searches)
+        while flat := batch.pending():
+            alternatives = []
+            for out in self.generate(prompt_token_ids=flat, sampling_params=step, use_tqdm=False):
+                if out.finish_reason == "error" or not out.logprobs:
+                    raise RequestFailed(f"beam search: a step failed: {out.error}")
+                ranked = sorted(out.logprobs[0].items(), key=lambda kv: kv[1].rank)[:k]
+                alternatives.append([(t, lp.logprob) for t, lp in ranked])
+            batch.advance(alternatives)
         results = []
         for search in searches:
             sequences = []

@@ -8,7 +8,7 @@ import pytest
 import torch
 from beam_reference import reference_beam_search
 
-from raystate.beam_search import BeamSearch, BeamSearchParams, ranked_alternatives
+from raystate.beam_search import BeamSearch, BeamSearchBatch, BeamSearchParams, ranked_alternatives
 from raystate.errors import InvalidRequest
 
 V = 12
@@ -75,3 +75,19 @@ def test_params_are_checked_by_name():
     ]:
         with pytest.raises(InvalidRequest, match=field):
             bad.validate()
+
+
+def test_a_batch_steps_each_search_as_it_would_run_alone():
+    f = _synthetic(9, 1.5)
+    prompts = [[1, 2], [5], [7, 7, 7]]
+    searches = [BeamSearch(p, 3, 5 + i, frozenset({EOS})) for i, p in enumerate(prompts)]
+    batch = BeamSearchBatch(searches)
+    while flat := batch.pending():
+        alternatives = []
+        for tokens in flat:
+            top = torch.topk(f(tokens), 6)
+            alternatives.append(list(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
+        batch.advance(alternatives)
+    for i, (p, search) in enumerate(zip(prompts, searches, strict=True)):
+        alone = _run(f, p, 3, 5 + i, False, 1.0)
+        assert [b.tokens for b in search.best()] == [b.tokens for b in alone.best()]

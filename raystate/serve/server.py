@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 from pydantic import BaseModel
 
-from raystate.beam_search import BeamSearch, check_beam_width, ranked_alternatives
+from raystate.beam_search import BeamSearch, BeamSearchBatch, check_beam_width, ranked_alternatives
 from raystate.client import Client
 from raystate.errors import EngineDead, InvalidRequest, RequestFailed
 from raystate.fanout import ChildRequest
@@ -713,17 +713,14 @@ class RaystateServer:
             sampling, max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, n=1,
             logprobs=k, ignore_eos=True,
         )  # fmt: skip
+        batch = BeamSearchBatch(searches)
         async with self._until_cut():
             for n_step in itertools.count():
-                todo = [(search, beams) for search in searches if (beams := search.pending())]
-                if not todo:
+                flat = batch.pending()
+                if not flat:
                     break
-                flat = [ids for _, beams in todo for ids in beams]
                 records = await self._one_token_each(f"{prep.request_id}-beam{n_step}", flat, step)
-                at = 0
-                for search, beams in todo:
-                    search.advance([ranked_alternatives(*r, k) for r in records[at : at + len(beams)]])
-                    at += len(beams)
+                batch.advance([ranked_alternatives(*r, k) for r in records])
         choices, completion = [], 0
         for p, search in enumerate(searches):
             for i, beam in enumerate(search.best()):
