@@ -2,7 +2,7 @@
 # One device call for a session short of device time (2026-12-07): the GPU tests of the decode path and
 # the pipelined Ray dispatch, the decode step in-process against Ray (bench_backends.py), and Gemma-3-4B's
 # decode step (b64/4k) for the working tree and the tree in .before/ (bench/ab_before_after.sh --export REV);
-# on an H200, Gemma first.
+# on an H200, Gemma first; on another GPU the tests only, unless FULL=1.
 # Carry [".whl", ".before"]. Every part is cut to the time left of LIMIT seconds (default 570).
 . bench/gpu_setup.sh || exit 1
 OUT=${OUT:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
@@ -36,6 +36,9 @@ gemma_part() {
   [ "$(left)" -gt 60 ] && gemma after_1
   [ "$(left)" -gt 60 ] && gemma before_1 before
 }
-# On an H200 Gemma's figure (issue 15's goal) comes first; elsewhere the tests and the backends bench.
-if grep -q H200 "$OUT/gpu.txt"; then gemma_part; gpu_tests; backends; else gpu_tests; backends; gemma_part; fi
+# On an H200 Gemma's figure (issue 15's goal) comes first, then the tests and the backends bench;
+# elsewhere the tests only (FULL=1: then the backends bench and Gemma too), to spare device time.
+if grep -q H200 "$OUT/gpu.txt"; then gemma_part; gpu_tests; backends
+elif [ "${FULL:-0}" = 1 ]; then gpu_tests; backends; gemma_part
+else gpu_tests; fi
 exit 0

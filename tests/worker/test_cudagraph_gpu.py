@@ -52,3 +52,36 @@ def test_graph_replay_equals_eager(dtype):
         del llm
         torch.cuda.empty_cache()
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+def test_graph_replay_with_logit_controls_equals_eager():
+    """The controlled graph variant (penalties, logit_bias, allowed_token_ids, bad_words, min_tokens) gives
+    the eager steps' tokens, in batches mixing controlled and plain rows."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, 12 + 5 * i).tolist() for i in range(6)]
+    params = [
+        SamplingParams(max_tokens=20, repetition_penalty=1.5, frequency_penalty=0.5, ignore_eos=True),
+        SamplingParams(max_tokens=20, ignore_eos=True),  # plain
+        SamplingParams(max_tokens=20, bad_words_token_ids=[[65], [66, 67], [1, 2, 3]], ignore_eos=True),
+        SamplingParams(max_tokens=20, allowed_token_ids=list(range(60, 90)), logit_bias={70: 2.0}),
+        SamplingParams(max_tokens=20, min_tokens=10, temperature=0.9, seed=4, presence_penalty=1.0),
+        SamplingParams(max_tokens=14, ignore_eos=True),  # plain
+    ]
+    outs = {}
+    for graphs in (True, False):
+        llm = LLM(
+            backend="inprocess",
+            device="cuda",
+            cuda_graphs=graphs,
+            max_num_seqs=8,
+            max_model_len=256,
+            num_blocks=257,
+        )
+        outs[graphs] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        if graphs:
+            assert llm.engine.worker.graphs.num_replays > 0
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[True] == outs[False]
+    assert set(outs[True][3]) <= set(range(60, 90))
