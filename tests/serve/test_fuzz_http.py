@@ -1,4 +1,5 @@
-"""A fuzzer over both OpenAI routes: thousands of generated bodies, mostly valid or one step from valid.
+"""A fuzzer over the OpenAI routes (completions, chat, responses): thousands of generated bodies, mostly
+valid or one step from valid.
 
 Hypothesis builds each body from a valid request (small max_tokens, so that generating is cheap) and
 then, for most of them, breaks it: wrong types, integers past 64 bits, NaN and Infinity, lone surrogates,
@@ -34,7 +35,7 @@ MAX_TOKENS = 3  # of a valid body: a fuzz run is mostly engine steps
 
 LEAK = re.compile(r'Traceback|File "|\.py\b|site-packages|/raystate/')
 ERROR_KEYS = {"message", "type", "param", "code"}
-LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
+LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 # -- bodies -----------------------------------------------------------------------------------------------
@@ -82,8 +83,10 @@ class Case:
         prompt leaves less room for max_tokens; chat compares max_tokens with max_completion_tokens; best_of
         must equal n; more prompts or choices leave fewer of the other within the per-request cap)."""
         names = set(self.broken)
-        if names & {"prompt", "messages", *LIMIT_FIELDS}:
+        if names & {"prompt", "messages", "input", "instructions", *LIMIT_FIELDS}:
             names |= set(LIMIT_FIELDS)
+        if "instructions" in names:  # the prompt is the instructions and the input: too long names input
+            names.add("input")
         if names & {"n", "best_of", "prompt"}:
             names |= {"n", "best_of"}
         return {field_path((n,)) for n in names}
@@ -191,6 +194,57 @@ valid_chat = st.tuples(
     chat_limit,
 ).map(lambda t: {**t[0], **t[1]})
 
+input_item = st.one_of(
+    message.filter(lambda m: m["role"] != "tool"),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("message"),
+            "role": st.sampled_from(["user", "developer", "assistant"]),
+            "content": st.lists(
+                st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text"]), "text": text}),
+                max_size=3,
+            ),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call"),
+            "call_id": st.just("call_1"),
+            "name": st.just("f"),
+            "arguments": text,
+        }
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": st.just("call_1"), "output": text}
+    ),
+)
+valid_responses = st.fixed_dictionaries(
+    {
+        "input": st.one_of(text, st.lists(input_item, min_size=1, max_size=4)),
+        "max_output_tokens": st.integers(1, MAX_TOKENS),
+    },
+    optional={
+        "model": st.sampled_from(["tiny", None]),
+        "instructions": st.one_of(st.none(), text),
+        "temperature": st.one_of(st.just(0), st.floats(0, 2)),
+        "top_p": st.floats(0, 1, exclude_min=True),
+        "stream": st.booleans(),
+        "user": text,
+        "metadata": st.dictionaries(st.text(max_size=4), text, max_size=3),
+        "store": st.booleans(),
+        "parallel_tool_calls": st.booleans(),
+        "tools": st.just([]),
+        "tool_choice": st.sampled_from(["none", "auto"]),
+        "text": st.just({"format": {"type": "text"}}),
+        "truncation": st.just("disabled"),
+        "include": st.just([]),
+        "previous_response_id": st.none(),
+    },
+)
+RESPONSES_FIELDS = ["input", "max_output_tokens", "model", "instructions", "temperature", "top_p", "stream"]
+RESPONSES_FIELDS += ["user", "metadata", "store", "tools", "tool_choice", "text", "truncation", "include"]
+RESPONSES_FIELDS += ["reasoning", "previous_response_id", "background"]
+
 COMPLETION_FIELDS = ["prompt", "max_tokens", *sampling, "echo", "best_of", "suffix", "logprobs"]
 CHAT_FIELDS = ["messages", *LIMIT_FIELDS, *sampling, "logprobs", "top_logprobs", "tools", "tool_choice"]
 CHAT_FIELDS += ["response_format"]
@@ -217,7 +271,8 @@ whole_bodies = st.sampled_from(
 def broken(draw, base: st.SearchStrategy, route_fields: list[str], path: str) -> Case:
     body = dict(draw(base))
     case = Case(path, body)
-    chat = path.endswith("chat/completions")
+    chat = path.endswith(("chat/completions", "responses"))
+    listed = "input" if path.endswith("responses") else "messages"
     for _ in range(draw(st.integers(1, 3))):
         how = draw(st.sampled_from(["set", "set", "set", "unknown", "delete", "message", "whole"]))
         if how == "whole":
@@ -232,15 +287,16 @@ def broken(draw, base: st.SearchStrategy, route_fields: list[str], path: str) ->
                 continue
             key = draw(st.sampled_from(keys))
             del body[key]
-        elif how == "message" and chat and isinstance(body.get("messages"), list) and body["messages"]:
-            key = "messages"
-            msgs = [dict(m) if isinstance(m, dict) else m for m in body["messages"]]
+        elif how == "message" and chat and isinstance(body.get(listed), list) and body[listed]:
+            key = listed
+            msgs = [dict(m) if isinstance(m, dict) else m for m in body[listed]]
             i = draw(st.integers(0, len(msgs) - 1))
             if isinstance(msgs[i], dict):
-                msgs[i][draw(st.sampled_from(["role", "content", "name", "tool_calls"]))] = draw(hostile)
+                parts = ["role", "content", "name", "tool_calls", "type", "call_id", "arguments", "output"]
+                msgs[i][draw(st.sampled_from(parts))] = draw(hostile)
             else:
                 msgs[i] = draw(hostile)
-            body["messages"] = msgs
+            body[listed] = msgs
         else:
             key = draw(st.sampled_from(route_fields))
             body[key] = draw(bad_limit if key in LIMIT_FIELDS else hostile)
@@ -249,9 +305,12 @@ def broken(draw, base: st.SearchStrategy, route_fields: list[str], path: str) ->
 
 
 def cases(path: str) -> st.SearchStrategy[Case]:
-    chat = path.endswith("chat/completions")
-    base = valid_chat if chat else valid_completion
-    fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    if path.endswith("responses"):
+        base, fields = valid_responses, RESPONSES_FIELDS
+    elif path.endswith("chat/completions"):
+        base, fields = valid_chat, CHAT_FIELDS
+    else:
+        base, fields = valid_completion, COMPLETION_FIELDS
     return st.one_of(
         base.map(lambda b: Case(path, b)),  # about a quarter valid
         broken(base, fields, path),
@@ -285,8 +344,11 @@ def check(case: Case, status: int, headers: httpx.Headers, text: str, stats: dic
         return
     assert status == 200, desc
     assert not case.whole, desc
+    if case.path.endswith("responses"):
+        _check_response(headers, text, desc)
+        return
     if headers.get("content-type", "").startswith("text/event-stream"):
-        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]", desc
         for e in events[:-1]:
             chunk = json.loads(e)
@@ -365,8 +427,23 @@ def in_process():
             app.close()
 
 
+def _check_response(headers: httpx.Headers, text: str, desc: str) -> None:
+    """A Responses answer that succeeded: a completed or incomplete response of at most MAX_TOKENS
+    output tokens, whole or as numbered events ending with it."""
+    if headers.get("content-type", "").startswith("text/event-stream"):
+        events = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ")]
+        assert [e["sequence_number"] for e in events] == list(range(len(events))), desc
+        assert events[0]["type"] == "response.created", desc
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), desc
+        out = events[-1]["response"]
+    else:
+        out = json.loads(text)
+    assert out["status"] in ("completed", "incomplete") and out["output"], desc
+    assert out["usage"]["output_tokens"] <= MAX_TOKENS, desc
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_fuzz_in_process(in_process, path):
     stats: dict[int, int] = {}
 
