@@ -359,30 +359,6 @@ def renamed(e: InvalidRequest, rename: Callable[[str], str]) -> InvalidRequest:
 # -- the answer -----------------------------------------------------------------------------------------
 
 
-class TurnSplitter:
-    """Splits one choice's text deltas into (thinking, content, call pieces), with the request's reasoning
-    parser and tool-call reader (either may be absent), as the chat route splits them."""
-
-    def __init__(self, think_factory: Callable[[], Any] | None, calls_factory: Callable[[], Any] | None):
-        self._think = think_factory() if think_factory is not None else None
-        self._calls = calls_factory() if calls_factory is not None else None
-
-    def feed(self, text: str, last: bool) -> tuple[str, str, list[ToolCallDelta]]:
-        thinking = ""
-        if self._think is not None:
-            thinking, text = self._think.feed(text)
-            if last:
-                more_thinking, more_text = self._think.finish()
-                thinking, text = thinking + more_thinking, text + more_text
-        made: list[ToolCallDelta] = []
-        if self._calls is not None:
-            text, made = self._calls.feed(text)
-            if last:
-                more_text, more_made = self._calls.finish()
-                text, made = text + more_text, made + more_made
-        return thinking, text, made
-
-
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 

@@ -86,8 +86,9 @@ from raystate.serve.protocol import (
     template_tools,
 )
 from raystate.serve.reasoning import REASONING_PARSERS, ThinkStream, prompt_opens_thinking
-from raystate.serve.responses import ResponsesRequest, ResponseWriter, TurnSplitter, renamed, to_chat
+from raystate.serve.responses import ResponsesRequest, ResponseWriter, renamed, to_chat
 from raystate.serve.text import ModelText, model_text_for_config
+from raystate.serve.turns import TurnSplitter
 
 logger = logging.getLogger(__name__)
 
@@ -864,24 +865,18 @@ class RaystateServer:
         calls where the request has a reasoning parser or tools."""
         if prep.tool_stream is None and prep.reasoning_stream is None:
             return shape.choice(index, text, reason, ids, logprobs)
-        thinking = None
-        if prep.reasoning_stream is not None:
-            think = prep.reasoning_stream()
-            think.feed(text)
-            think.finish()
-            text, thinking = think.answer, think.reasoning or None
-        if prep.tool_stream is None:
-            return shape.choice(index, text, reason, ids, logprobs, reasoning=thinking)
-        calls = prep.tool_stream()
-        content, _ = calls.feed(text)
-        content += calls.finish()[0]
+        split = TurnSplitter(prep.reasoning_stream, prep.tool_stream)
+        thinking, content, _ = split.feed(text, True)
+        thinking = thinking or None
+        if split.calls is None:
+            return shape.choice(index, content, reason, ids, logprobs, reasoning=thinking)
         made = [
             ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
-            for c in calls.calls
+            for c in split.calls.calls
         ]
-        if (made or not calls.writes_content) and not content.strip():
+        if (made or not split.calls.writes_content) and not content.strip():
             content = None  # a turn of calls only: content null, as OpenAI sends it
-        reason = tool_calls.finish_reason(calls, reason)
+        reason = tool_calls.finish_reason(split.calls, reason)
         return shape.choice(
             index, content, reason, ids, logprobs, tool_calls=made or None, reasoning=thinking
         )
@@ -898,8 +893,8 @@ class RaystateServer:
                 for gen in gens:
                     yield _sse(shape.chunk(**head, choices=[shape.opening(gen.index)]), False)
             offsets: dict[int, int] = {}  # per choice index: text offset after its chunks so far (logprobs)
-            streams: dict[int, Any] = {}  # per choice index: its ToolCallStream (a chat with tools)
-            thinks: dict[int, ThinkStream] = {}  # per choice index: its ThinkStream (a reasoning parser)
+            # per choice index, with a reasoning parser or tools: what splits its text
+            splitters: dict[int, TurnSplitter] = {}
             async with contextlib.aclosing(merged_deltas(gens)) as deltas:
                 async for gen, d in deltas:
                     text, reason, out_ids = d.text, d.finish_reason, d.token_ids
@@ -916,40 +911,27 @@ class RaystateServer:
                             prep, gen, out_ids, d.logprobs, d.prompt_logprobs, first, offset
                         )
                     offsets[gen.index] = offset
-                    thinking = None
-                    if prep.reasoning_stream is not None:
-                        if gen.index not in thinks:
-                            thinks[gen.index] = prep.reasoning_stream()
-                        thinking, text = thinks[gen.index].feed(text)
-                        if reason is not None:
-                            more_thinking, more_text = thinks[gen.index].finish()
-                            thinking, text = thinking + more_thinking, text + more_text
-                        thinking = thinking or None
                     if prep.tool_stream is None and prep.reasoning_stream is None:  # (completions too)
                         choice = shape.delta(gen.index, text, reason, d.token_ids, logprobs)
-                    elif prep.tool_stream is None:
-                        content = None if thinking and not text else text
-                        choice = shape.delta(
-                            gen.index, content, reason, d.token_ids, logprobs, reasoning=thinking
-                        )
                     else:
-                        if gen.index not in streams:
-                            streams[gen.index] = prep.tool_stream()
-                        calls = streams[gen.index]
-                        text, made = calls.feed(text)
-                        if reason is not None:
-                            more_text, more_made = calls.finish()
-                            text, made = text + more_text, made + more_made
-                            reason = tool_calls.finish_reason(calls, reason)
-                        deltas = _tool_call_deltas(made)
-                        content = None if (deltas or thinking) and not text else text
+                        split = splitters.get(gen.index)
+                        if split is None:
+                            split = splitters[gen.index] = TurnSplitter(
+                                prep.reasoning_stream, prep.tool_stream
+                            )
+                        thinking, text, made = split.feed(text, reason is not None)
+                        thinking = thinking or None
+                        calls = _tool_call_deltas(made)
+                        if split.calls is not None and reason is not None:
+                            reason = tool_calls.finish_reason(split.calls, reason)
+                        content = None if (calls or thinking) and not text else text
                         choice = shape.delta(
                             gen.index,
                             content,
                             reason,
                             d.token_ids,
                             logprobs,
-                            tool_calls=deltas,
+                            **({} if split.calls is None else {"tool_calls": calls}),
                             reasoning=thinking,
                         )
                     yield _sse(shape.chunk(**head, choices=[choice]), prep.return_token_ids)
