@@ -16,6 +16,14 @@ gpu_tests() {
     tests/scheduler/test_pipelined_dispatch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
   echo "(tests: $SECONDS s)"
 }
+qwen_part() {  # Qwen3-8B's decode step (b64/4k) for the working tree only
+  timeout $(left) python3 bench/bench_hf_models.py --shape qwen3-8b --root /tmp/hf_ckpt --skip-exactness 2>&1 \
+    | grep -v "Loading weights" | tail -2
+  echo "(qwen checkpoint: $SECONDS s)"
+  [ "$(left)" -gt 60 ] && timeout $(left) python3 bench/bench_decode.py --model /tmp/hf_ckpt/qwen3-8b --batch 64 \
+    --context 4096 --steps 32 --configs "graphs + async" 2>&1 | tee "$OUT/qwen.log" | grep -E "^decode|floor"
+  echo "(qwen: $SECONDS s)"
+}
 gemma() {  # gemma LABEL [before]: one bench_decode process
   local dir=. env=""
   if [ "$2" = before ]; then ln -sfn ../kernels .before/raystate/kernels; dir=.before; env="PYTHONPATH=$PWD/.before${PYTHONPATH:+:$PYTHONPATH}"; fi
@@ -37,10 +45,11 @@ gemma_part() {
   [ "$(left)" -gt 60 ] && gemma before_1 before
 }
 # On an H200 Gemma's figure (issue 15's goal) comes first, then the tests and the backends bench;
-# elsewhere the tests only (FULL=1: then the backends bench and Gemma too; H200_ONLY=1: nothing), to spare
-# device time.
+# elsewhere the tests only (FULL=1: then the backends bench and Gemma too; H200_ONLY=1: nothing; QWEN=1:
+# Qwen3-8B's decode step), to spare device time.
 if grep -q H200 "$OUT/gpu.txt"; then gemma_part; gpu_tests; backends
 elif [ "${H200_ONLY:-0}" = 1 ]; then echo "not an H200: nothing run (H200_ONLY=1)"
+elif [ "${QWEN:-0}" = 1 ]; then qwen_part
 elif [ "${FULL:-0}" = 1 ]; then gpu_tests; backends; gemma_part
 else gpu_tests; fi
 exit 0
