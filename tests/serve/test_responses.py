@@ -267,3 +267,21 @@ def test_what_raystate_cannot_do_is_a_400_naming_the_field(extra, param):
     assert r.status_code in (400, 404) and r.json()["error"]["param"].startswith(param), r.text
     ok = app.run(app.http.post("/v1/responses", json={"model": "scripted", "input": "Hi", "store": True}))
     assert ok.status_code == 200 and ok.json()["output"][0]["content"][0]["text"] == "ok"
+
+
+def test_the_sdks_stream_helper_builds_the_same_response():
+    """openai's `responses.stream` accumulates the events itself (and checks their order as it goes): its
+    final response is the whole one."""
+    app = _scripted(THINK_AND_CALL)
+    kwargs = dict(model="scripted", input="Weather in Paris?", tools=FLAT_TOOLS)
+
+    async def go():
+        async with app.openai.responses.stream(**kwargs) as stream:
+            async for _ in stream:
+                pass
+            return await stream.get_final_response()
+
+    final = app.run(go()).model_dump(exclude_none=True)
+    whole = app.run(app.openai.responses.create(**kwargs)).model_dump(exclude_none=True)
+    assert [o["type"] for o in final["output"]] == ["reasoning", "message", "function_call", "function_call"]
+    assert _without_ids(final["output"]) == _without_ids(whole["output"])
