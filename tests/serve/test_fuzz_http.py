@@ -465,7 +465,7 @@ def test_fuzz_in_process(in_process, path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_fuzz_over_serve(open_app, path):
     stats: dict[int, int] = {}
     headers = {**open_app.headers(), "Content-Type": "application/json"}
