@@ -65,6 +65,11 @@ class Beam:
         """The beam's own tokens (its EOS included)."""
         return self.tokens[self.num_prompt_tokens :]
 
+    def text_ids(self, keep_eos: bool = False) -> list[int]:
+        """The ids the beam's text is decoded from: its own, its final EOS left out unless `keep_eos`."""
+        out = self.output_ids
+        return out[:-1] if self.ended and not keep_eos else out
+
     @property
     def finish_reason(self) -> str:
         return "stop" if self.ended else "length"

@@ -228,8 +228,7 @@ class LLM:
         for search in searches:
             sequences = []
             for beam in search.best():
-                out_ids = beam.output_ids[:-1] if beam.ended else beam.output_ids
-                text = self.text.decode(out_ids)
+                text = self.text.decode(beam.text_ids())
                 sequences.append(BeamSearchSequence(beam.tokens, text, beam.cum_logprob, beam.finish_reason))
             results.append(BeamSearchOutput(sequences))
         return results

@@ -368,9 +368,17 @@ class ResponseWriter:
     Response object, in progress (`response`) or final (after `finish` or `fail`)."""
 
     def __init__(
-        self, req: ResponsesRequest, response_id: str, model: str, created: int, sampling: Any
+        self,
+        req: ResponsesRequest,
+        response_id: str,
+        model: str,
+        created: int,
+        sampling: Any,
+        streamed: bool | None = True,
     ) -> None:
+        """`streamed` false: the events are numbered but not written (a whole response sends none)."""
         self.req = req
+        self.streamed = bool(streamed)
         self.id = response_id
         self.model = model
         self.created = created
@@ -387,8 +395,10 @@ class ResponseWriter:
     # -- events ----------------------------------------------------------------------------------------
 
     def _event(self, kind: str, **fields: Any) -> str:
-        data = {"type": kind, "sequence_number": self._seq, **fields}
-        self._seq += 1
+        seq, self._seq = self._seq, self._seq + 1
+        if not self.streamed:
+            return ""
+        data = {"type": kind, "sequence_number": seq, **fields}
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
     def start(self) -> list[str]:

@@ -160,8 +160,9 @@ def _check_beam_search(req: CompletionRequest | ChatCompletionRequest, prep: Pre
         ("bad_words", bool(p.bad_words_token_ids)),
         ("max_tokens", prep.prompt_only),
     ]
-    asked += [(name, True) for name, _ in _structured_sources(req)]
-    if p.structured and not _structured_sources(req):
+    sources = _structured_sources(req)
+    asked += [(name, True) for name, _ in sources]
+    if p.structured and not sources:
         asked.append(("tool_choice", True))  # a forced call: through the grammar
     for name, used in asked:
         if used:
@@ -727,7 +728,7 @@ class RaystateServer:
             for i, beam in enumerate(search.best()):
                 out = beam.output_ids
                 completion += len(out)
-                shown = out[:-1] if beam.ended and not prep.include_stop else out
+                shown = beam.text_ids(keep_eos=prep.include_stop)
                 text = self.text.decode(shown, skip_special_tokens=prep.skip_special_tokens)
                 ids = out if prep.return_token_ids else None
                 choices.append(self._choice(prep, shape, p * width + i, text, beam.finish_reason, ids, None))
@@ -780,7 +781,9 @@ class RaystateServer:
             gens = await self._start(prep)
         except InvalidRequest as e:
             raise renamed(e, rename) from None
-        writer = ResponseWriter(req, prep.request_id, self.model_name, prep.created, prep.sampling)
+        writer = ResponseWriter(
+            req, prep.request_id, self.model_name, prep.created, prep.sampling, req.stream
+        )
         if req.stream:
             events = self._response_events(gens, prep, writer, catch=True)
             cut = lambda why: writer.fail(why, "server_shutting_down")  # noqa: E731
@@ -931,7 +934,7 @@ class RaystateServer:
                             reason,
                             d.token_ids,
                             logprobs,
-                            **({} if split.calls is None else {"tool_calls": calls}),
+                            tool_calls=calls,
                             reasoning=thinking,
                         )
                     yield _sse(shape.chunk(**head, choices=[choice]), prep.return_token_ids)
