@@ -17,6 +17,9 @@ its deltas and its .done events, output_item.done, and last response.completed, 
 max_output_tokens, or response.failed), each event numbered by `sequence_number`. One item is open at a
 time: a piece of another kind closes it.
 
+With `include: ["message.output_text.logprobs"]` (and `top_logprobs` alternatives) the message text
+carries its tokens' logprobs, in its part and in its delta events, as the chat route computes them.
+
 raystate keeps no responses (as vLLM by default): `store` is answered false, and `previous_response_id`,
 `background`, `conversation` and stored `item_reference`s are refused, naming the field; so are input
 parts other than text, and tools other than functions.
@@ -36,6 +39,7 @@ from raystate.errors import InvalidRequest
 from raystate.serve.protocol import (
     FUNCTION_NAME,
     MAX_CONTENT_PARTS,
+    MAX_LOGPROBS,
     MAX_MESSAGES,
     MAX_MODEL_CHARS,
     MAX_SCHEMA_NAME_CHARS,
@@ -61,8 +65,12 @@ _UNSUPPORTED = {
     "background": "false: raystate runs no background responses",
     "prompt": "unset: raystate has no stored prompt templates",
     "max_tool_calls": "unset: the calls of one turn are bounded by max_output_tokens only",
-    "top_logprobs": "unset or 0: raystate returns no logprobs in responses",
 }
+# `include` entries: the message text's token logprobs; reasoning as "encrypted content" (stateless
+# clients ask for it to send the reasoning back; raystate's reasoning items carry it as text, which
+# comes back as it is).
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+_INCLUDABLE = (OUTPUT_LOGPROBS, "reasoning.encrypted_content")
 # Input content parts that carry text, and what else OpenAI's input may carry (refused by name).
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
@@ -118,16 +126,15 @@ class ResponsesRequest(_Request):
     store: bool | None = None  # answered false: nothing is stored
     metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA_KEYS)
     user: str | None = Field(None, max_length=MAX_USER_CHARS)
-    # extra output data: only "reasoning.encrypted_content" (stateless clients ask for it to send the
-    # reasoning back; raystate's reasoning items carry it as text, which comes back as it is)
-    include: list[str] | None = Field(None, max_length=16)
+    include: list[str] | None = Field(None, max_length=16)  # extra output data (_INCLUDABLE)
     truncation: Literal["disabled"] | None = None  # "auto" (drop the middle of a long input) is refused
     previous_response_id: Any = None
     conversation: Any = None
     background: Any = None
     prompt: Any = None
     max_tool_calls: Any = None
-    top_logprobs: Any = None
+    # alternatives per token in the message text's logprobs (read with include's OUTPUT_LOGPROBS only)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -162,11 +169,17 @@ class ResponsesRequest(_Request):
     @classmethod
     def _include(cls, v: list[str] | None) -> list[str] | None:
         for name in v or ():
-            if name != "reasoning.encrypted_content":
+            if name not in _INCLUDABLE:
                 raise ValueError(
-                    f"{name!r}: raystate adds no such output data (only reasoning.encrypted_content)"
+                    f"{name!r}: raystate adds no such output data (only {', '.join(_INCLUDABLE)})"
                 )
         return v
+
+    @property
+    def output_logprobs(self) -> bool:
+        """Whether the message text carries its tokens' logprobs (OpenAI's and vLLM's rule: asked for in
+        `include`; `top_logprobs` alone adds nothing)."""
+        return OUTPUT_LOGPROBS in (self.include or ())
 
 
 # -- the request as a chat ------------------------------------------------------------------------------
@@ -312,6 +325,9 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, Callable[[str
     elif fmt is not None and fmt.type == "json_schema":
         spec = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}
         body["response_format"] = {"type": "json_schema", "json_schema": spec}
+    if req.output_logprobs:
+        body["logprobs"] = True
+        body["top_logprobs"] = req.top_logprobs or 0
     if req.reasoning is not None and req.reasoning.effort is not None:
         body["chat_template_kwargs"] = {"reasoning_effort": req.reasoning.effort}
 
@@ -342,6 +358,7 @@ _RENAMED = (
     ("response_format", "text.format"),
     ("tool_choice.function", "tool_choice"),
     ("chat_template_kwargs", "reasoning.effort"),
+    ("logprobs", "include"),
 )
 
 
@@ -391,6 +408,8 @@ class ResponseWriter:
         self.error: dict[str, str] | None = None
         self.usage: dict[str, Any] | None = None
         self._seq = 0
+        # token logprob entries not yet given to message text: the tokens of text the splitter holds back
+        self._pending_logprobs: list[dict[str, Any]] = []
 
     # -- events ----------------------------------------------------------------------------------------
 
@@ -407,17 +426,31 @@ class ResponseWriter:
             self._event("response.in_progress", response=self.response()),
         ]
 
-    def feed(self, thinking: str, content: str, calls: list[ToolCallDelta]) -> list[str]:
+    def feed(
+        self,
+        thinking: str,
+        content: str,
+        calls: list[ToolCallDelta],
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> list[str]:
+        """One piece of the turn: its thinking, message text and call pieces (split by TurnSplitter), and
+        the logprob entries of the tokens it came from (with include's OUTPUT_LOGPROBS). The entries go
+        with the message text: a token's entry joins the first message text at or after it, unless
+        thinking or a call comes out first (its text was that, not message text)."""
         events: list[str] = []
+        self._pending_logprobs += logprobs or ()
         if thinking:
             events += self._text("reasoning", thinking)
         if content:
-            events += self._text("message", content)
+            events += self._text("message", content, self._pending_logprobs)
+            self._pending_logprobs = []
+        elif thinking or calls:
+            self._pending_logprobs = []
         for d in calls:
             events += self._call(d)
         return events
 
-    def _text(self, kind: str, text: str) -> list[str]:
+    def _text(self, kind: str, text: str, logprobs: list[dict[str, Any]] = ()) -> list[str]:
         events = []
         if self.open is None or self.open["type"] != kind:
             events += self._close()
@@ -426,7 +459,8 @@ class ResponseWriter:
         item["content"][0]["text"] += text
         at = dict(item_id=item["id"], output_index=len(self.items) - 1, content_index=0)
         if kind == "message":
-            events.append(self._event("response.output_text.delta", **at, delta=text, logprobs=[]))
+            item["content"][0]["logprobs"] += logprobs
+            events.append(self._event("response.output_text.delta", **at, delta=text, logprobs=logprobs))
         else:
             events.append(self._event("response.reasoning_text.delta", **at, delta=text))
         return events
@@ -498,7 +532,11 @@ class ResponseWriter:
             part = item["content"][0]
             events.append(
                 self._event(
-                    "response.output_text.done", **at, content_index=0, text=part["text"], logprobs=[]
+                    "response.output_text.done",
+                    **at,
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=part["logprobs"],
                 )
             )
             events.append(self._event("response.content_part.done", **at, content_index=0, part=_copy(part)))
@@ -576,6 +614,7 @@ class ResponseWriter:
             if req.tool_choice is not None
             else ("auto" if req.tools else "none"),
             "tools": [t.known_fields(exclude_none=True) for t in req.tools or ()],
+            "top_logprobs": req.top_logprobs,
             "top_p": self.top_p,
             "truncation": "disabled",
             "usage": self.usage,

@@ -809,9 +809,14 @@ class RaystateServer:
         reason = None
         try:
             async with contextlib.aclosing(merged_deltas(gens)) as deltas:
-                async for _, d in deltas:
+                async for gen, d in deltas:
                     reason = d.finish_reason or reason
-                    for event in writer.feed(*split.feed(d.text, d.finish_reason is not None)):
+                    logprobs = None
+                    if prep.sampling.logprobs is not None:  # (include's message.output_text.logprobs)
+                        chat, _ = self._logprobs(prep, gen, d.token_ids, d.logprobs, b"", False, 0)
+                        logprobs = [entry.model_dump() for entry in chat.content]
+                    pieces = split.feed(d.text, d.finish_reason is not None)
+                    for event in writer.feed(*pieces, logprobs):
                         yield event
         except Exception as e:
             if not catch:

@@ -237,13 +237,14 @@ valid_responses = st.fixed_dictionaries(
         "tool_choice": st.sampled_from(["none", "auto"]),
         "text": st.just({"format": {"type": "text"}}),
         "truncation": st.just("disabled"),
-        "include": st.just([]),
+        "include": st.sampled_from([[], ["message.output_text.logprobs"]]),
+        "top_logprobs": st.integers(0, 20),
         "previous_response_id": st.none(),
     },
 )
 RESPONSES_FIELDS = ["input", "max_output_tokens", "model", "instructions", "temperature", "top_p", "stream"]
 RESPONSES_FIELDS += ["user", "metadata", "store", "tools", "tool_choice", "text", "truncation", "include"]
-RESPONSES_FIELDS += ["reasoning", "previous_response_id", "background"]
+RESPONSES_FIELDS += ["reasoning", "previous_response_id", "background", "top_logprobs"]
 
 COMPLETION_FIELDS = ["prompt", "max_tokens", *sampling, "echo", "best_of", "suffix", "logprobs"]
 CHAT_FIELDS = ["messages", *LIMIT_FIELDS, *sampling, "logprobs", "top_logprobs", "tools", "tool_choice"]
@@ -440,6 +441,10 @@ def _check_response(headers: httpx.Headers, text: str, desc: str) -> None:
         out = json.loads(text)
     assert out["status"] in ("completed", "incomplete") and out["output"], desc
     assert out["usage"]["output_tokens"] <= MAX_TOKENS, desc
+    entries = [e for o in out["output"] if o["type"] == "message" for e in o["content"][0]["logprobs"]]
+    assert len(entries) <= out["usage"]["output_tokens"], desc  # (with include's logprobs, a token each)
+    tops = out["top_logprobs"] or 0
+    assert all(e["logprob"] <= 1e-5 and len(e["top_logprobs"]) == tops for e in entries), desc
 
 
 @pytest.mark.slow

@@ -236,6 +236,74 @@ def test_text_format_and_a_forced_call_go_through_the_grammar(tiny):
     assert _without_ids(_replayed(events)) == _without_ids(whole["output"])
 
 
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def _streamed_logprobs(events: list[dict]) -> tuple[list, list]:
+    """(the message's output_text.delta logprobs joined, its output_text.done logprobs)."""
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    [done] = [e for e in events if e["type"] == "response.output_text.done"]
+    return [lp for e in deltas for lp in e["logprobs"]], done["logprobs"]
+
+
+def test_message_logprobs_equal_the_chat_routes(tiny):
+    """include's message.output_text.logprobs: the message text carries each token's logprob and its
+    top_logprobs alternatives, equal to the chat route's for the same greedy request, in the whole
+    answer and in the stream's delta and done events alike; without the include, none."""
+    kwargs = dict(model=tiny.name, input="Hello there", temperature=0, max_output_tokens=12)
+    whole, events = _both(tiny, include=LOGPROBS, top_logprobs=3, **kwargs)
+    chat = tiny.run(
+        tiny.openai.chat.completions.create(
+            model=tiny.name,
+            messages=[{"role": "user", "content": "Hello there"}],
+            temperature=0,
+            max_completion_tokens=12,
+            logprobs=True,
+            top_logprobs=3,
+        )
+    )
+    expected = [e.model_dump() for e in chat.choices[0].logprobs.content]
+    [message] = whole["output"]
+    part = message["content"][0]
+    assert part["text"] == chat.choices[0].message.content and len(expected) == 12
+    assert part["logprobs"] == expected and whole["top_logprobs"] == 3
+    assert all(len(e["top_logprobs"]) == 3 for e in expected)
+    joined, done = _streamed_logprobs(events)
+    assert joined == expected and done == expected
+    assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == expected
+    # top_logprobs alone adds nothing (OpenAI's and vLLM's rule); include alone: no alternatives
+    plain = tiny.run(tiny.openai.responses.create(top_logprobs=3, **kwargs)).model_dump()
+    assert plain["output"][0]["content"][0]["logprobs"] == []
+    bare = tiny.run(tiny.openai.responses.create(include=LOGPROBS, **kwargs)).model_dump()
+    entries = bare["output"][0]["content"][0]["logprobs"]
+    assert [(e["token"], e["logprob"]) for e in entries] == [(e["token"], e["logprob"]) for e in expected]
+    assert all(e["top_logprobs"] == [] for e in entries)
+
+
+def test_message_logprobs_leave_out_the_thinking_and_the_calls():
+    """With a reasoning parser and tools, the message item's logprobs are the run of tokens around its
+    text: none of the thinking's tokens, none of the calls' after the text's tail. The scripted model's
+    token i has logprob -(i + 1) / 64, so an entry says which token it is."""
+    app = _scripted(THINK_AND_CALL)
+    whole, events = _both(
+        app, model="scripted", input="Weather in Paris?", tools=FLAT_TOOLS, include=LOGPROBS, top_logprobs=1
+    )
+    output = whole["output"]
+    assert [o["type"] for o in output] == ["reasoning", "message", "function_call", "function_call"]
+    part = output[1]["content"][0]
+    positions = [round(-e["logprob"] * 64) - 1 for e in part["logprobs"]]
+    assert positions == list(range(positions[0], positions[-1] + 1))  # one run of tokens, in order
+    script = THINK_AND_CALL.encode()
+    thinking_end = script.index(b"</think>")  # the thinking's tokens are before it
+    text_at = script.index(part["text"].encode())
+    assert thinking_end <= positions[0] and positions[-1] < script.index(b"<tool_call>") + 3  # (3 a delta)
+    assert set(range(text_at, text_at + len(part["text"]))) <= set(positions)  # the text's own tokens
+    assert bytes(b for e in part["logprobs"] for b in e["bytes"]) == script[positions[0] : positions[-1] + 1]
+    assert all(len(e["top_logprobs"]) == 1 for e in part["logprobs"])
+    joined, done = _streamed_logprobs(events)
+    assert joined == part["logprobs"] and done == part["logprobs"]
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -254,9 +322,9 @@ def test_text_format_and_a_forced_call_go_through_the_grammar(tiny):
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"max_output_tokens": 10**6}, "max_output_tokens"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
-        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"include": ["file_search_call.results"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
-        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"top_logprobs": 21}, "top_logprobs"),
         ({"model": "other"}, "model"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,

@@ -21,7 +21,7 @@ from asgi_app import reference_app
 
 from raystate.client import Client
 from raystate.config import EOS_ID
-from raystate.messages import RequestUpdate
+from raystate.messages import RequestUpdate, pack_logprobs
 from raystate.serve.ingress import create_api
 from raystate.serve.server import RaystateServer
 
@@ -219,7 +219,9 @@ HERMES_OUTPUT = (
 
 class ScriptedClient(Client):
     """A model that writes `script` (byte tokens, `step` a update) and stops on EOS, as the engine does
-    (its last id is the EOS, whose text the output leaves out); remembers the prompts."""
+    (its last id is the EOS, whose text the output leaves out); remembers the prompts. Asked for
+    logprobs, token i of the output has logprob -(i + 1) / 64 and its alternatives the
+    byte ids after it."""
 
     def __init__(self, script: str, step: int = 3) -> None:
         self.script = [*script.encode(), EOS_ID]
@@ -240,7 +242,13 @@ class ScriptedClient(Client):
             await asyncio.sleep(0)
             last = i + self.step >= len(out)
             reason = ("stop" if len(out) == len(self.script) else "length") if last else None
-            yield RequestUpdate(request_id, out[i : i + self.step], last, reason, 0, 0)
+            ids = out[i : i + self.step]
+            records = b""
+            if sampling.logprobs is not None:
+                rows = [[t, *((t + a) % 256 for a in range(1, 1 + sampling.logprobs))] for t in ids]
+                lps = [[-(i + j + 1) / 64 - a for a in range(1 + sampling.logprobs)] for j in range(len(ids))]
+                records = pack_logprobs(rows, lps, [1] * len(ids))
+            yield RequestUpdate(request_id, ids, last, reason, 0, 0, logprobs=records)
 
     async def generate_group(self, requests):
         return [self.generate(r.prompt_token_ids, r.sampling, r.req_id) for r in requests]
